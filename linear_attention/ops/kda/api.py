@@ -1,0 +1,191 @@
+"""`kimi_delta_attention`: validate, resolve the backend, dispatch (one match).
+
+Kimi Delta Attention (Kimi Linear, arXiv 2510.26692). Per head, with state
+S in R^{K x V}, alpha_t = exp(g_t) and beta_t in [0, 1]:
+
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T (scale * q_t)
+"""
+
+import enum
+import math
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+
+from linear_attention.ops.kda import chunked
+from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import reference
+
+
+class Backend(enum.Enum):
+  """Every implementation of the op; all return the same `(o, state)`."""
+
+  REFERENCE = "reference"  # token-by-token lax.scan: the oracle
+  CHUNKED = "chunked"  # chunk-64 WY/UT form in XLA: CPU/GPU default
+  MOSAIC = "mosaic"  # tokamax's Pallas TPU kernel
+
+  @classmethod
+  def parse(cls, value: "str | Backend") -> "Backend":
+    if isinstance(value, Backend):
+      return value
+    try:
+      return cls(value)
+    except ValueError:
+      raise ValueError(
+          f"backend must be one of {[b.value for b in cls]}; got {value!r}."
+      ) from None
+
+
+LOWER_BOUND_MIN = -5.0
+
+_logged_backends: set[Backend] = set()
+
+
+def validate_lower_bound(lower_bound: float | None, name="lower_bound") -> None:
+  """Raises ValueError unless lower_bound is None or a float in [-5, 0)."""
+  if lower_bound is None:
+    return
+  if not isinstance(lower_bound, (int, float)) or not math.isfinite(
+      lower_bound) or not LOWER_BOUND_MIN <= lower_bound < 0:
+    raise ValueError(
+        f"{name} must be None or a finite number in [{LOWER_BOUND_MIN}, 0);"
+        f" got {lower_bound!r}.")
+
+
+def _check_shape(name, x, expected, what):
+  if x is None:
+    return
+  if tuple(x.shape) != tuple(expected):
+    raise ValueError(
+        f"{name} must have shape {what} = {tuple(expected)}; got"
+        f" {tuple(x.shape)}.")
+
+
+def _validate(q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
+              use_gate_in_kernel, initial_state, output_final_state,
+              segment_ids, max_num_segments):
+  if q.ndim != 4:
+    raise ValueError(f"q must have shape [B, T, H, K]; got {tuple(q.shape)}.")
+  b, t, h, kd = q.shape
+  if v.ndim != 4:
+    raise ValueError(f"v must have shape [B, T, H, V]; got {tuple(v.shape)}.")
+  vd = v.shape[-1]
+  if t < 1 or b < 1 or h < 1 or kd < 1 or vd < 1:
+    raise ValueError(
+        f"q and v need B, T, H, K, V >= 1; got q {tuple(q.shape)}, v"
+        f" {tuple(v.shape)}.")
+  _check_shape("k", k, (b, t, h, kd), "[B, T, H, K] like q")
+  _check_shape("g", g, (b, t, h, kd), "[B, T, H, K] like q")
+  _check_shape("v", v, (b, t, h, vd), "[B, T, H, V] with q's B, T, H")
+  _check_shape("beta", beta, (b, t, h), "[B, T, H]")
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a floating dtype; got {x.dtype}.")
+  if scale is not None and not (
+      isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    raise ValueError(f"scale must be None or a positive finite number; got"
+                     f" {scale!r}.")
+  validate_lower_bound(lower_bound)
+  if use_gate_in_kernel:
+    if a_log is None:
+      raise ValueError(
+          "a_log ([H]) is required when use_gate_in_kernel=True.")
+    _check_shape("a_log", a_log, (h,), "[H]")
+    _check_shape("dt_bias", dt_bias, (h * kd,), "[H * K]")
+  if segment_ids is not None:
+    _check_shape("segment_ids", segment_ids, (b, t), "[B, T]")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(
+          f"segment_ids must be an integer array; got {segment_ids.dtype}.")
+    if max_num_segments is None and (initial_state is not None
+                                     or output_final_state):
+      raise ValueError(
+          "max_num_segments (static N >= 1) is required when segment_ids is"
+          " used with initial_state or output_final_state=True.")
+  if max_num_segments is not None and (
+      not isinstance(max_num_segments, int) or max_num_segments < 1):
+    raise ValueError(
+        f"max_num_segments must be an int >= 1; got {max_num_segments!r}.")
+  if initial_state is not None:
+    if segment_ids is None:
+      _check_shape("initial_state", initial_state, (b, h, kd, vd),
+                   "[B, H, K, V]")
+    else:
+      _check_shape("initial_state", initial_state,
+                   (b, max_num_segments, h, kd, vd),
+                   "[B, max_num_segments, H, K, V] with segment_ids")
+
+
+def kimi_delta_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    a_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float | None = None,
+    use_gate_in_kernel: bool = False,
+    use_qk_l2norm: bool = False,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+    max_num_segments: int | None = None,
+    backend: str | Backend = "chunked",
+) -> tuple[jax.Array, jax.Array | None]:
+  """Kimi Delta Attention over [B, T, H, *] inputs.
+
+  Args:
+    q, k: [B, T, H, K] queries and keys.
+    v: [B, T, H, V] values.
+    g: [B, T, H, K] log decay (<= 0), or the raw gate when
+      `use_gate_in_kernel=True`.
+    beta: [B, T, H] write strength in [0, 1].
+    scale: query scale; default K ** -0.5.
+    a_log: [H] log decay rate; required when `use_gate_in_kernel=True`.
+    dt_bias: [H * K] bias added to the raw gate (fused gate only).
+    lower_bound: None for the gate `-exp(a_log) * softplus(g + dt_bias)`,
+      else `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))`, in [-5, 0).
+    use_gate_in_kernel: whether `g` is raw and activated here.
+    use_qk_l2norm: L2-normalise q and k (x / sqrt(sum x^2 + 1e-6)).
+    initial_state: [B, H, K, V]; with `segment_ids`, [B, N, H, K, V].
+    output_final_state: also return the float32 final state (same shape).
+    segment_ids: [B, T] int, 1-indexed packed documents, 0 = padding.
+    max_num_segments: static N; required with segment_ids and states.
+    backend: "reference" | "chunked" | "mosaic" (or a `Backend`).
+
+  Returns:
+    (o [B, T, H, V] in q.dtype, final_state float32 or None).
+
+  Raises:
+    ValueError: bad input (the message names the argument).
+    NotImplementedError: the backend cannot take this input.
+  """
+  backend = Backend.parse(backend)
+  _validate(q, k, v, g, beta, scale=scale, a_log=a_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+            initial_state=initial_state,
+            output_final_state=output_final_state, segment_ids=segment_ids,
+            max_num_segments=max_num_segments)
+  if scale is None:
+    scale = q.shape[-1] ** -0.5
+  if backend not in _logged_backends:
+    _logged_backends.add(backend)
+    logging.info("Running kimi_delta_attention with backend %s.",
+                 backend.value)
+  kwargs = dict(
+      scale=scale, a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,
+      use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm=use_qk_l2norm,
+      initial_state=initial_state, output_final_state=output_final_state,
+      segment_ids=segment_ids, max_num_segments=max_num_segments)
+  match backend:
+    case Backend.REFERENCE:
+      return reference.kda_reference(q, k, v, g, beta, **kwargs)
+    case Backend.CHUNKED:
+      return chunked.kda_chunked(q, k, v, g, beta, **kwargs)
+    case Backend.MOSAIC:
+      return mosaic.kda_mosaic(q, k, v, g, beta, **kwargs)

@@ -1,0 +1,79 @@
+"""Input preparation shared by the XLA backends (`reference`, `chunked`).
+
+Every backend takes the op's full keyword set (see `api.kimi_delta_attention`)
+and returns `(o, final_state)`. The two XLA backends first bring the inputs to
+one canonical form with `prepare`:
+
+* q (times `scale`), k and g in float32, gates activated, q/k L2-normalised;
+* `segment_ids` always present ([B, T] int32, 1-indexed, 0 = padding): a call
+  without segments is one segment per row;
+* `initial_state` always present as [B, N, H, K, V] float32 (zeros by default).
+
+Segment semantics (all backends): a token whose segment id differs from the id
+of the previous non-padding token of its row starts a new run of that segment,
+which starts from `initial_state[:, id - 1]` (zero by default). A padding token
+(id 0) writes a zero output and leaves the state untouched. The final state of
+segment n is the state after its last token (its initial state if it has none).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linear_attention.ops.kda import gates
+
+
+class Canonical(NamedTuple):
+  q: jax.Array  # [B, T, H, K] f32, scaled (and normalised when asked)
+  k: jax.Array  # [B, T, H, K] f32
+  v: jax.Array  # [B, T, H, V] f32
+  g: jax.Array  # [B, T, H, K] f32 log decay (<= 0)
+  beta: jax.Array  # [B, T, H] f32
+  segment_ids: jax.Array  # [B, T] int32
+  initial_state: jax.Array  # [B, N, H, K, V] f32
+  has_segments: bool
+
+
+def prepare(
+    q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
+    use_gate_in_kernel, use_qk_l2norm, initial_state, segment_ids,
+    max_num_segments,
+) -> Canonical:
+  """Validated inputs -> the canonical float32 form described above."""
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  if use_qk_l2norm:
+    q, k = gates.l2_normalize(q), gates.l2_normalize(k)
+  q = q.astype(jnp.float32) * scale
+  k = k.astype(jnp.float32)
+  if use_gate_in_kernel:
+    g = gates.kda_log_decay(g, a_log, dt_bias, lower_bound)
+  g = g.astype(jnp.float32)
+  has_segments = segment_ids is not None
+  if has_segments:
+    n = max_num_segments
+    segment_ids = segment_ids.astype(jnp.int32)
+  else:
+    n = 1
+    segment_ids = jnp.ones((b, t), jnp.int32)
+  if initial_state is None:
+    initial_state = jnp.zeros((b, n, h, kd, vd), jnp.float32)
+  else:
+    initial_state = initial_state.astype(jnp.float32)
+    if not has_segments:
+      initial_state = initial_state[:, None]
+  return Canonical(
+      q=q, k=k, v=v.astype(jnp.float32), g=g,
+      beta=beta.astype(jnp.float32), segment_ids=segment_ids,
+      initial_state=initial_state, has_segments=has_segments)
+
+
+def finish(o, final_state, *, dtype, has_segments, output_final_state):
+  """Casts the output back and drops the segment axis when there was none."""
+  o = o.astype(dtype)
+  if not output_final_state:
+    return o, None
+  if not has_segments:
+    final_state = final_state[:, 0]
+  return o, final_state
