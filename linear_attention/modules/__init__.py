@@ -1,0 +1,1 @@
+"""Haiku modules (hk.Module) built on `linear_attention.ops`."""

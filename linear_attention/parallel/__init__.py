@@ -1,0 +1,1 @@
+"""Context and data parallelism over a jax.sharding.Mesh."""
