@@ -1,0 +1,152 @@
+"""Causal depthwise short convolution, segment-aware, with a decode cache.
+
+Kimi Linear (arXiv 2510.26692, §4) runs q, k and v through a depthwise causal
+convolution of width W (4) followed by SiLU before the KDA core. Per channel c,
+with w[W - 1] multiplying the current token:
+
+    y[t, c] = act(bias[c] + sum_{s=0}^{W-1} w[W-1-s, c] * x[t-s, c] * m[t, s])
+
+where m[t, s] = 1 when position t - s exists, is not padding and belongs to
+the same run (packed document) as t, else 0. It is computed as W shifted
+multiply-adds with float32 accumulation; the output has x's dtype.
+
+Segments follow the KDA op's rule (`linear_attention.ops.kimi_delta_attention`):
+ids are [B, T] ints, 1-indexed, 0 = padding; a token whose id differs from the
+previous non-padding token starts a new run. A token sees only earlier tokens
+of its own run: padding inside a run contributes zero and does not break it;
+padding outputs zero.
+
+Decode cache: the last W - 1 inputs before `x`, [B, W - 1, C] (zeros = the
+start of a sequence). The cached inputs continue the run of `x`'s first
+non-padding token (the cache does not record segment ids), so a sequence cut
+anywhere inside a run (or inside padding) and fed in pieces gives the same
+outputs as one call. A piece whose first document is a new one must come with
+a zeroed cache in that row. The returned cache keeps only inputs of the last
+run (everything else zeroed; an all-padding piece passes the cache through),
+so it is valid for the next piece.
+
+Context parallelism (a `context_axis=None` keyword exchanging a W - 1 halo
+between ranks) is left for later: it would fill `prefix` in `short_conv1d`
+from the previous rank instead of from `cache`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS = ("silu", None)
+
+
+def _validate(x, w, segment_ids, cache, activation, bias):
+  if x.ndim != 3:
+    raise ValueError(f"x must have shape [B, T, C]; got {tuple(x.shape)}.")
+  b, t, c = x.shape
+  if w.ndim != 2 or w.shape[1] != c or w.shape[0] < 1:
+    raise ValueError(
+        f"w must have shape [W, C] = [W >= 1, {c}] (C from x); got"
+        f" {tuple(w.shape)}.")
+  if segment_ids is not None:
+    if tuple(segment_ids.shape) != (b, t):
+      raise ValueError(f"segment_ids must have shape [B, T] = {(b, t)}; got"
+                       f" {tuple(segment_ids.shape)}.")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(
+          f"segment_ids must be an integer array; got {segment_ids.dtype}.")
+  if cache is not None and tuple(cache.shape) != (b, w.shape[0] - 1, c):
+    raise ValueError(
+        f"cache must have shape [B, W - 1, C] = {(b, w.shape[0] - 1, c)};"
+        f" got {tuple(cache.shape)}.")
+  if activation not in ACTIVATIONS:
+    raise ValueError(
+        f"activation must be one of {ACTIVATIONS}; got {activation!r}.")
+  if bias is not None and tuple(bias.shape) != (c,):
+    raise ValueError(f"bias must have shape [C] = {(c,)}; got"
+                     f" {tuple(bias.shape)}.")
+
+
+def _first_nonzero(ids):
+  """[B, T] ids -> [B]: the first non-zero id of each row, 0 if none."""
+  first = jnp.argmax(ids != 0, axis=1)
+  return jnp.take_along_axis(ids, first[:, None], axis=1)[:, 0]
+
+
+def _last_run_tail(xe, ids, width):
+  """The last W - 1 inputs, zeroed unless they belong to the last run."""
+  if width == 1:
+    return xe[:, :0]
+  tail = xe[:, xe.shape[1] - (width - 1):]
+  tail_ids = ids[:, ids.shape[1] - (width - 1):]
+  last_id = jnp.zeros(ids.shape[:1], ids.dtype)
+  for j in range(width - 1):  # id of the last non-padding token
+    last_id = jnp.where(tail_ids[:, j] != 0, tail_ids[:, j], last_id)
+  keep = []
+  intact = jnp.ones(ids.shape[:1], bool)  # no other run after position j
+  for j in reversed(range(width - 1)):
+    keep.append(intact & (tail_ids[:, j] == last_id) & (last_id != 0))
+    intact = intact & ((tail_ids[:, j] == 0) | (tail_ids[:, j] == last_id))
+  keep = jnp.stack(keep[::-1], axis=1)  # [B, W - 1]
+  return jnp.where(keep[..., None], tail, 0).astype(xe.dtype)
+
+
+def short_conv1d(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    cache: jax.Array | None = None,
+    activation: str | None = "silu",
+    bias: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Causal depthwise convolution over time (see the module docstring).
+
+  Args:
+    x: [B, T, C] inputs.
+    w: [W, C] taps; w[-1] multiplies the current token, w[-1 - s] the token
+      s steps back.
+    segment_ids: [B, T] int, 1-indexed packed documents, 0 = padding.
+    cache: [B, W - 1, C] the W - 1 inputs before x (decode / continuation).
+    activation: "silu" or None.
+    bias: [C] added before the activation.
+
+  Returns:
+    Without `cache`: y [B, T, C] in x.dtype. With `cache`: (y, new_cache),
+    new_cache [B, W - 1, C] in x.dtype holding the last W - 1 inputs of the
+    last run (zeros elsewhere), to pass with the next piece.
+
+  Raises:
+    ValueError: a bad shape, dtype or activation (the message names it).
+  """
+  _validate(x, w, segment_ids, cache, activation, bias)
+  b, t, c = x.shape
+  width = w.shape[0]
+  ids = (jnp.ones((b, t), jnp.int32) if segment_ids is None
+         else segment_ids.astype(jnp.int32))
+  if cache is None:  # the sequence starts here: nothing before it
+    prefix = jnp.zeros((b, width - 1, c), x.dtype)
+    prefix_ids = jnp.zeros((b, width - 1), jnp.int32)
+  else:  # the cache continues the run of x's first non-padding token
+    prefix = cache.astype(x.dtype)
+    # In an all-padding row, -1 (no real id) carries the cache through.
+    first = _first_nonzero(ids)
+    first = jnp.where(first != 0, first, -1)
+    prefix_ids = jnp.broadcast_to(first[:, None], (b, width - 1))
+  xe = jnp.concatenate([prefix, x], axis=1)  # [B, W - 1 + T, C]
+  ide = jnp.concatenate([prefix_ids, ids], axis=1)
+
+  wf = w.astype(jnp.float32)
+  acc = jnp.zeros((b, t, c), jnp.float32)
+  intact = jnp.ones((b, t), bool)  # no other run between source and target
+  for s in range(width):  # s = steps back from the current token
+    start = width - 1 - s
+    src, src_ids = xe[:, start:start + t], ide[:, start:start + t]
+    intact = intact & ((src_ids == 0) | (src_ids == ids))
+    visible = intact & (src_ids == ids)
+    acc = acc + jnp.where(visible[..., None], src.astype(jnp.float32),
+                          0.0) * wf[width - 1 - s]
+  if bias is not None:
+    acc = acc + bias.astype(jnp.float32)
+  if activation == "silu":
+    acc = jax.nn.silu(acc)
+  y = jnp.where((ids != 0)[..., None], acc, 0.0).astype(x.dtype)
+  if cache is None:
+    return y
+  return y, _last_run_tail(xe, ide, width)
