@@ -1,0 +1,284 @@
+"""`KimiDeltaAttention`: the Kimi Linear token mixer as a Haiku module.
+
+Kimi Linear (arXiv 2510.26692, §4; fla `fla/layers/kda.py`). For x [B, T, D]:
+
+    q, k, v = SiLU(ShortConv(x W_q)), SiLU(ShortConv(x W_k)), SiLU(ShortConv(x W_v))
+    g_raw   = (x W_f_down) W_f_up                 low rank, rank = head_dim
+    beta    = sigmoid(x W_b)                      one per head
+    o, S    = KDA(l2norm(q), l2norm(k), v, g_raw, beta; a_log, dt_bias)
+    y       = (RMSNorm_head(o) * sigmoid((x W_g_down) W_g_up)) W_o
+
+with, inside the op, the gate g = -exp(a_log) * softplus(g_raw + dt_bias), or
+with `lower_bound`, g = lower_bound * sigmoid(exp(a_log) * (g_raw + dt_bias)),
+and per head S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} +
+beta_t k_t v_t^T, o_t = S_t^T (K^-1/2 q_t).
+
+Glossary of shapes: B batch, T time, D model width (from the input), H heads,
+K = head_dim, V = head_dim * expand_v, W = conv_size.
+
+Choices written down here:
+* Projections are bias-free, weights N(0, 0.02) (`hk.initializers.
+  RandomNormal`, not truncated). The output gate has no bias (the paper's
+  equation and HF Kimi; fla adds one on the up projection).
+* a_log [H] = log U(1, 16) for the softplus gate, zeros with `lower_bound`;
+  dt = exp(U(log 1e-3, log 1e-1)) clamped >= 1e-4, dt_bias = dt +
+  log(-expm1(-dt)) (the inverse softplus of dt).
+* decay="head" is Gated DeltaNet's gate: one full-rank projection D -> H
+  (`f_proj`, like GDN's `a_proj`), a_log [H], dt_bias [H], broadcast over K
+  inside the layer before the op.
+* Decoding with backend="mosaic": pieces whose T is not a multiple of 64
+  (decode steps) run on "chunked" (logged once); the kernel needs T % 64 == 0.
+"""
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+from absl import logging
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from linear_attention.modules import norms
+from linear_attention.modules import short_conv
+from linear_attention.ops.kda import api as kda_api
+
+DECAYS = ("channel", "head")
+WEIGHT_STDDEV = 0.02
+_logged_fallback = []
+
+
+def validate_kda_layer_args(
+    *,
+    num_heads: int,
+    head_dim: int,
+    expand_v: float = 1.0,
+    conv_size: int = 4,
+    lower_bound: float | None = None,
+    backend: str = "chunked",
+    decay: str = "channel",
+    use_output_gate: bool = True,
+    use_qkv_lora: bool = False,
+) -> None:
+  """Raises ValueError, naming the argument, unless the layer can be built."""
+  for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
+  if (isinstance(expand_v, bool) or not isinstance(expand_v, (int, float))
+      or not math.isfinite(expand_v) or expand_v <= 0
+      or head_dim * expand_v != round(head_dim * expand_v)):
+    raise ValueError(
+        f"expand_v must be a positive number with head_dim * expand_v a"
+        f" whole number (the value head dim); got expand_v={expand_v!r} with"
+        f" head_dim={head_dim}.")
+  if isinstance(conv_size, bool) or not isinstance(conv_size, int) or (
+      conv_size < 0):
+    raise ValueError(
+        f"conv_size must be an int >= 0 (0 turns the short conv off); got"
+        f" {conv_size!r}.")
+  kda_api.validate_lower_bound(lower_bound)
+  kda_api.Backend.parse(backend)
+  if decay not in DECAYS:
+    raise ValueError(f"decay must be one of {DECAYS}; got {decay!r}.")
+  if not isinstance(use_output_gate, bool):
+    raise ValueError(
+        f"use_output_gate must be a bool; got {use_output_gate!r}.")
+  if use_qkv_lora is not False:
+    raise ValueError(
+        "use_qkv_lora=True (low-rank q/k/v projections) is not implemented by"
+        f" KimiDeltaAttention; it must be False, got {use_qkv_lora!r}.")
+
+
+class KDACache(NamedTuple):
+  """Decode cache of one `KimiDeltaAttention` layer (zeros = a new sequence).
+
+  q_conv, k_conv: [B, W - 1, H*K] and v_conv: [B, W - 1, H*V], the last
+    W - 1 projected inputs of each short conv, in the activations' dtype
+    (width 0 when conv_size <= 1).
+  state: [B, H, K, V] float32 recurrent state S.
+  """
+  q_conv: jax.Array
+  k_conv: jax.Array
+  v_conv: jax.Array
+  state: jax.Array
+
+
+def init_kda_cache(batch_size: int, *, num_heads: int, head_dim: int,
+                   expand_v: float = 1.0, conv_size: int = 4,
+                   dtype=jnp.float32) -> KDACache:
+  """An all-zero `KDACache` (usable outside `hk.transform`)."""
+  h, kd, vd = num_heads, head_dim, int(round(head_dim * expand_v))
+  tail = max(conv_size - 1, 0)
+  return KDACache(
+      q_conv=jnp.zeros((batch_size, tail, h * kd), dtype),
+      k_conv=jnp.zeros((batch_size, tail, h * kd), dtype),
+      v_conv=jnp.zeros((batch_size, tail, h * vd), dtype),
+      state=jnp.zeros((batch_size, h, kd, vd), jnp.float32))
+
+
+def _a_log_init(shape, dtype):
+  """log U(1, 16)."""
+  return jnp.log(jax.random.uniform(hk.next_rng_key(), shape, dtype, 1.0, 16.0))
+
+
+def _dt_bias_init(shape, dtype):
+  """Inverse softplus of dt = exp(U(log 1e-3, log 1e-1)), dt >= 1e-4."""
+  u = jax.random.uniform(hk.next_rng_key(), shape, dtype,
+                         math.log(1e-3), math.log(1e-1))
+  dt = jnp.maximum(jnp.exp(u), 1e-4)
+  return dt + jnp.log(-jnp.expm1(-dt))
+
+
+@dataclasses.dataclass(kw_only=True)
+class KimiDeltaAttention(hk.Module):
+  """Kimi Delta Attention layer: [B, T, D] -> [B, T, D] (see module docstring).
+
+  Call as `layer(x, segment_ids=None)` -> y, or `layer(x, cache=cache)` ->
+  (y, new_cache) to continue a sequence (prefill, then decode steps).
+  """
+
+  num_heads: int  # H, the number of heads.
+  head_dim: int  # K, the query/key head dim; also the rank of both gates.
+  expand_v: float = 1.0  # value head dim V = head_dim * expand_v.
+  conv_size: int = 4  # W taps of the short conv; 0 = no conv, SiLU only.
+  lower_bound: float | None = None  # None: softplus gate; else in [-5, 0).
+  backend: str = "chunked"  # KDA core: "reference" | "chunked" | "mosaic".
+  decay: str = "channel"  # "channel" (KDA) or "head" (Gated DeltaNet).
+  use_output_gate: bool = True  # sigmoid low-rank gate on the output.
+  use_qkv_lora: bool = False  # not implemented; True raises ValueError.
+  name: str | None = None  # Haiku module name.
+
+  def __post_init__(self):
+    validate_kda_layer_args(
+        num_heads=self.num_heads, head_dim=self.head_dim,
+        expand_v=self.expand_v, conv_size=self.conv_size,
+        lower_bound=self.lower_bound, backend=self.backend, decay=self.decay,
+        use_output_gate=self.use_output_gate, use_qkv_lora=self.use_qkv_lora)
+    super().__post_init__()  # hk.Module.__init__(name=self.name)
+
+  @property
+  def value_dim(self) -> int:
+    """V = head_dim * expand_v."""
+    return int(round(self.head_dim * self.expand_v))
+
+  def init_cache(self, batch_size: int, dtype=jnp.float32) -> KDACache:
+    """Zeros: the cache before the first token; dtype of the conv tails."""
+    return init_kda_cache(
+        batch_size, num_heads=self.num_heads, head_dim=self.head_dim,
+        expand_v=self.expand_v, conv_size=self.conv_size, dtype=dtype)
+
+  @hk.transparent  # no extra name scope: params are `<layer>/q_proj/w`, ...
+  def _linear(self, size, name):
+    return hk.Linear(size, with_bias=False, name=name,
+                     w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))
+
+  @hk.transparent
+  def _conv_silu(self, x, name, segment_ids, tail):
+    """SiLU(ShortConv(x)); with a cache tail also returns the new tail."""
+    if self.conv_size == 0:
+      y = jax.nn.silu(x)
+      return y if tail is None else (y, tail)
+    conv = short_conv.ShortConvolution(self.conv_size, activation="silu",
+                                       name=name)
+    return conv(x, segment_ids=segment_ids, cache=tail)
+
+  def _check_cache(self, cache, batch):
+    want = self.init_cache(batch)
+    for field, have, ref in zip(KDACache._fields, cache, want):
+      if tuple(have.shape) != tuple(ref.shape):
+        raise ValueError(
+            f"cache.{field} must have shape {tuple(ref.shape)} for this layer"
+            f" and batch {batch}; got {tuple(have.shape)}.")
+
+  def _core_backend(self, t, cached):
+    backend = kda_api.Backend.parse(self.backend)
+    if cached and backend == kda_api.Backend.MOSAIC and t % 64:
+      if not _logged_fallback:
+        _logged_fallback.append(True)
+        logging.info("KimiDeltaAttention: decode piece of T=%d is not a"
+                     " multiple of 64; running it on backend 'chunked'.", t)
+      return kda_api.Backend.CHUNKED
+    return backend
+
+  def __call__(
+      self, x: jax.Array, segment_ids: jax.Array | None = None, *,
+      cache: KDACache | None = None,
+  ) -> jax.Array | tuple[jax.Array, KDACache]:
+    """Applies the layer.
+
+    Args:
+      x: [B, T, D] inputs.
+      segment_ids: [B, T] int, 1-indexed packed documents, 0 = padding; no
+        information crosses a document boundary (conv and core). With a
+        `cache`, every non-zero id is the row's one document continuing the
+        cache (use 0 for padding).
+      cache: a `KDACache` to continue from (`init_cache` for a new sequence).
+
+    Returns:
+      y [B, T, D] in x.dtype; with `cache`, (y, new_cache).
+    """
+    if x.ndim != 3:
+      raise ValueError(f"x must have shape [B, T, D]; got {tuple(x.shape)}.")
+    b, t, d = x.shape
+    h, kd, vd = self.num_heads, self.head_dim, self.value_dim
+    cached = cache is not None
+    if cached:
+      self._check_cache(cache, b)
+      if segment_ids is not None:  # one document per row, 0 = padding
+        segment_ids = (segment_ids != 0).astype(jnp.int32)
+    tails = cache[:3] if cached else (None, None, None)
+
+    qkv, new_tails = [], []
+    for name, size, tail in zip("qkv", (h * kd, h * kd, h * vd), tails):
+      y = self._linear(size, f"{name}_proj")(x)
+      y = self._conv_silu(y, f"{name}_conv1d", segment_ids, tail)
+      if cached:
+        y, tail = y
+        new_tails.append(tail)
+      qkv.append(y)
+    q = qkv[0].reshape(b, t, h, kd)
+    k = qkv[1].reshape(b, t, h, kd)
+    v = qkv[2].reshape(b, t, h, vd)
+
+    f32 = jnp.float32
+    if self.decay == "channel":
+      g = self._linear(h * kd, "f_b_proj")(self._linear(kd, "f_a_proj")(x))
+      g = g.reshape(b, t, h, kd)
+      bias_shape = (h * kd,)
+    else:  # "head": Gated DeltaNet's scalar decay, broadcast over K
+      g = self._linear(h, "f_proj")(x)
+      g = jnp.broadcast_to(g[..., None], (b, t, h, kd))
+      bias_shape = (h,)
+    a_log_init = jnp.zeros if self.lower_bound is not None else _a_log_init
+    a_log = hk.get_parameter("a_log", (h,), f32, init=a_log_init)
+    dt_bias = hk.get_parameter("dt_bias", bias_shape, f32, init=_dt_bias_init)
+    if self.decay == "head":
+      dt_bias = jnp.repeat(dt_bias, kd)  # [H] -> [H*K]
+    beta = jax.nn.sigmoid(self._linear(h, "b_proj")(x).astype(f32))
+
+    o, state = kda_api.kimi_delta_attention(
+        q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
+        lower_bound=self.lower_bound, use_gate_in_kernel=True,
+        use_qk_l2norm=True,
+        initial_state=(cache.state[:, None] if cached and segment_ids
+                       is not None else cache.state if cached else None),
+        output_final_state=cached, segment_ids=segment_ids,
+        max_num_segments=1 if cached and segment_ids is not None else None,
+        backend=self._core_backend(t, cached))
+    chex.assert_shape(o, (b, t, h, vd))
+
+    o = norms.RMSNorm(name="o_norm")(o).reshape(b, t, h * vd)
+    if self.use_output_gate:
+      gate = self._linear(h * vd, "g_b_proj")(self._linear(kd, "g_a_proj")(x))
+      o = o * jax.nn.sigmoid(gate.astype(f32)).astype(o.dtype)
+    y = self._linear(d, "o_proj")(o).astype(x.dtype)
+    chex.assert_shape(y, (b, t, d))
+    if not cached:
+      return y
+    if segment_ids is not None:
+      state = state[:, 0]
+    new_tails = [n.astype(c.dtype) for n, c in zip(new_tails, cache)]
+    new_cache = KDACache(*new_tails, state=state.astype(f32))
+    chex.assert_trees_all_equal_shapes(new_cache, cache)
+    return y, new_cache
