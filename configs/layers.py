@@ -1,0 +1,49 @@
+"""Layer configs: the keyword arguments of `KimiDeltaAttention`, locked.
+
+`kda_config()` holds exactly the constructor's keywords (minus `name`), so a
+model builds the layer as `KimiDeltaAttention(**config.model.kda)`, and a
+misspelt override fails because the dict is locked. `validate_kda(config)`
+runs the constructor's own checks (`validate_kda_layer_args`), so a bad value
+fails when the config is read, with the same ValueError as the constructor.
+
+The default gate is the lower-bound ("safe") gate at -5, so every step
+decays by at least exp(-5) (arXiv 2510.26692 gate; -5 is the recommended
+bound); `lower_bound` may be overridden to None (the softplus gate) or to
+another float in [-5, 0).
+
+Example: `python -c "from configs import layers; print(layers.get_config())"`.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from linear_attention.modules.kda import validate_kda_layer_args
+
+
+def kda_config() -> ml_collections.ConfigDict:
+  """The default `KimiDeltaAttention` keywords, as a locked ConfigDict."""
+  config = ml_collections.ConfigDict(dict(
+      num_heads=2,
+      head_dim=64,
+      expand_v=1.0,
+      conv_size=4,
+      # A float, or None for the softplus gate (typed so None is allowed).
+      lower_bound=config_dict.FieldReference(-5.0, field_type=float),
+      backend="chunked",
+      decay="channel",
+      use_output_gate=True,
+      use_qkv_lora=False,
+  ))
+  config.lock()
+  return config
+
+
+def validate_kda(config: ml_collections.ConfigDict) -> None:
+  """Raises the constructor's ValueError (naming the field) for a bad value."""
+  validate_kda_layer_args(**config)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """`kda_config()`; `arg` is unused (the configs/ entry-point convention)."""
+  del arg
+  return kda_config()
