@@ -1,0 +1,108 @@
+"""CSA indexer score: memory and time of `reference` vs `xla_chunked`, and a
+TPU roofline estimate for the fused Pallas kernels.
+
+    .venv/bin/python -m benchmarks.csa_score            # S=4096 W=1024 H=16 D=64
+    .venv/bin/python -m benchmarks.csa_score --small    # a quick smoke run
+
+Peak memory is XLA's compiled temp allocation
+(`jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes`):
+deterministic, unlike wall-clock. Times are the median of a few runs on
+whatever device JAX picks (CPU here). The Pallas numbers are the kernels'
+`cost_estimate` (FLOPs, HBM bytes) against TPU v6e peak bf16 FLOP/s and HBM
+bandwidth from `pltpu.get_tpu_info_for_chip`: an estimate, not a measurement.
+"""
+
+import statistics
+import sys
+import time
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+import numpy as np
+
+from linear_attention import ops
+from linear_attention.ops.csa import pallas
+
+
+def inputs(b, s, w, h, d, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (b, s, h, d), dtype)
+  k = jax.random.normal(ks[1], (b, w, d), dtype)
+  wt = jax.random.normal(ks[2], (b, s, h), dtype)
+  g = jax.random.normal(ks[3], (b, s, w), jnp.float32)
+  return q, k, wt, g
+
+
+def fns(backend, r):
+  score = lambda q, k, w: ops.csa_streamindex_score(
+      q, k, w, softmax_scale=q.shape[-1] ** -0.5, compress_rate=r,
+      backend=backend)
+  fwd = lambda q, k, w, g: score(q, k, w)
+
+  def fwd_bwd(q, k, w, g):
+    out, vjp = jax.vjp(score, q, k, w)
+    return out, vjp(g)
+
+  return {"forward": fwd, "forward+backward": fwd_bwd}
+
+
+def measure(f, args, reps):
+  compiled = jax.jit(f).lower(*args).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  jax.block_until_ready(compiled(*args))  # warm up
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t)
+  return temp, statistics.median(times)
+
+
+def main(small):
+  b, s, w, h, d, r = (1, 512, 128, 4, 32, 4) if small else \
+      (1, 4096, 1024, 16, 64, 4)
+  reps = 3
+  args = inputs(b, s, w, h, d)
+  print(f"B={b} S={s} W={w} H={h} D={d} r={r}, float32, device:"
+        f" {jax.devices()[0].device_kind}, {reps} timed runs (median)\n")
+  print("| pass | reference temp | xla_chunked temp | memory ratio |"
+        " reference time | xla_chunked time | time ratio |")
+  print("|---|---|---|---|---|---|---|")
+  ref_fns, chunk_fns = fns("reference", r), fns("xla_chunked", r)
+  for name in ref_fns:
+    m0, t0 = measure(ref_fns[name], args, reps)
+    m1, t1 = measure(chunk_fns[name], args, reps)
+    print(f"| {name} | {m0 / 2**20:.1f} MiB | {m1 / 2**20:.1f} MiB |"
+          f" {m0 / m1:.1f}x less | {t0 * 1e3:.0f} ms | {t1 * 1e3:.0f} ms |"
+          f" {t1 / t0:.2f}x |")
+
+  # Pallas kernels on TPU v6e: roofline from the kernels' own cost estimate.
+  info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V6E, 1)
+  bq, bw, hc = pallas.resolve_tiles(s, w, h)
+  tiles = pallas.Tiles(d ** -0.5, bq, bw, hc, interpret=False)
+  nq, nk = -(-s // bq), -(-w // bw)
+  qmax = (np.arange(nq) + 1) * bq - 1
+  kmin = (np.arange(nk) * bw + 1) * r - 1
+  live = float(np.mean(kmin[None, :] <= qmax[:, None]))
+  print(f"\nPallas kernels, bf16 operands, tiles block_q={bq} block_w={bw}"
+        f" head_chunk={hc}; TPU v6e: {info.bf16_ops_per_second / 1e12:.0f}"
+        f" TFLOP/s bf16, {info.mem_bw_bytes_per_second / 1e12:.2f} TB/s HBM;"
+        f" causal tiles live: {live:.0%}\n")
+  print("| pass | GFLOP | HBM MB | FLOP/byte | roofline (dense) |"
+        " roofline (live tiles only) | bound |")
+  print("|---|---|---|---|---|---|---|")
+  ridge = info.bf16_ops_per_second / info.mem_bw_bytes_per_second
+  for name, bwd in (("forward", False), ("backward", True)):
+    c = pallas.cost_estimate(b, s, w, h, d, jnp.bfloat16, tiles,
+                             backward=bwd)
+    t = max(c.flops / info.bf16_ops_per_second,
+            c.bytes_accessed / info.mem_bw_bytes_per_second)
+    ai = c.flops / c.bytes_accessed
+    print(f"| {name} | {c.flops / 1e9:.1f} | {c.bytes_accessed / 1e6:.1f} |"
+          f" {ai:.0f} | {t * 1e6:.0f} us | {t * live * 1e6:.0f} us |"
+          f" {'compute' if ai > ridge else 'memory'} (ridge {ridge:.0f}) |")
+
+
+if __name__ == "__main__":
+  main(small="--small" in sys.argv[1:])
