@@ -1,0 +1,192 @@
+r"""KDA speed: our backends against tokamax's XLA implementations, one process.
+
+    .venv/bin/python -m benchmarks.kda_speed [--out=benchmarks/results/kda_speed_cpu.json]
+
+For each shape (B, T, H, K=V) it times the forward and the forward+backward
+(gradients of every input) of our `reference` (short sequences only) and
+`chunked` backends and tokamax 0.0.17's `xla_chunked` and `xla`, on the same
+inputs: f32, lower-bound gate fused in the op (-5), q/k L2 norm. Timing is
+plain JAX: compile, warm up, then the median of `--repeats` runs, the
+implementations interleaved so that machine noise hits all of them alike.
+
+Reported per row: median milliseconds, the ratio of tokamax's time to ours
+(> 1 means we are faster), achieved GFLOP/s by the Kimi Linear FLOP count
+(arXiv 2510.26692 Eq. 13: 6 T d^2 + 3 T C d + T C^2 per head for the forward,
+C = 64; the forward+backward is counted as 3x that), its fraction of the f32
+matmul rate measured in the same process (a 2048^3 matmul), and the peak
+temporary memory XLA's compiler plans for the computation
+(`compiled.memory_analysis()`; deterministic, unlike a timing).
+
+Outputs of every implementation are checked against ours (relative L2) and
+the check is printed, so a fast wrong path cannot hide.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linear_attention import ops
+from linear_attention import testing
+
+SHAPES = ((1, 4096, 4, 64), (1, 1024, 4, 64), (2, 2048, 8, 128))
+REFERENCE_MAX_T = 1024
+CHUNK = 64
+
+
+def kda_flops(b, t, h, d, c=CHUNK):
+  """Forward FLOPs by Kimi Linear Eq. 13, summed over heads and batch."""
+  return b * h * (6 * t * d * d + 3 * t * c * d + t * c * c)
+
+
+def make_inputs(b, t, h, d, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(ks[0], (b, t, h, d))
+  k = jax.random.normal(ks[1], (b, t, h, d))
+  v = jax.random.normal(ks[2], (b, t, h, d))
+  g = jax.random.normal(ks[3], (b, t, h, d))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+  a_log = jnp.log(jax.random.uniform(ks[5], (h,), minval=1, maxval=16))
+  dt_bias = jnp.zeros((h * d,))
+  return (q, k, v, g, beta, a_log, dt_bias)
+
+
+def ours(backend):
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    o, _ = ops.kimi_delta_attention(
+        q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+        use_gate_in_kernel=True, use_qk_l2norm=True, backend=backend)
+    return o
+  return f
+
+
+def tokamax_impl(implementation):
+  from tokamax._src.ops.kda import api as tokamax_kda  # pylint: disable=g-import-not-at-top
+
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    hf = lambda x: jnp.moveaxis(x, 2, 0)
+    o, _ = tokamax_kda.kimi_delta_attention(
+        hf(q), hf(k), hf(v), hf(g), jnp.moveaxis(beta, 2, 0), a_log=a_log,
+        delta_time_bias=dt_bias, use_gate_in_kernel=True, lower_bound=-5.0,
+        use_qk_l2norm=True, implementation=implementation)
+    return jnp.moveaxis(o, 0, 2)
+  return f
+
+
+def fwd_bwd(f):
+  def loss(*args):
+    o = f(*args)
+    return jnp.sum(o * jnp.cos(o))  # a cotangent that depends on o
+  return jax.grad(loss, argnums=tuple(range(7)))
+
+
+def time_many(fns, args, repeats):
+  """Median seconds per call of each jitted fn, interleaved."""
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def matmul_gflops(n=2048, repeats=5):
+  a = jax.random.normal(jax.random.key(1), (n, n))
+  f = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(f(a))
+  best = min(time_many({"mm": f}, (a,), repeats).values(), default=0)
+  return 2 * n ** 3 / best / 1e9
+
+
+def temp_bytes(fn, args):
+  compiled = fn.lower(*args).compile()
+  analysis = compiled.memory_analysis()
+  return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def bench_shape(shape, repeats, mm_rate):
+  b, t, h, d = shape
+  args = make_inputs(b, t, h, d)
+  impls = {"ours_chunked": ours("chunked"),
+           "tokamax_xla_chunked": tokamax_impl("xla_chunked"),
+           "tokamax_xla": tokamax_impl("xla")}
+  if t <= REFERENCE_MAX_T:
+    impls["ours_reference"] = ours("reference")
+  rows = []
+  for mode in ("forward", "forward+backward"):
+    fns = {n: jax.jit(f if mode == "forward" else fwd_bwd(f))
+           for n, f in impls.items()}
+    outs = {n: jax.block_until_ready(fn(*args)) for n, fn in fns.items()}
+    mems = {n: temp_bytes(fn, args) for n, fn in fns.items()}
+    secs = time_many(fns, args, repeats)
+    flops = kda_flops(b, t, h, d) * (1 if mode == "forward" else 3)
+    best_tokamax = min(secs["tokamax_xla_chunked"], secs["tokamax_xla"])
+    for name in fns:
+      err = testing.relative_l2_error(
+          np.concatenate([np.ravel(x) for x in jax.tree.leaves(outs[name])]),
+          np.concatenate([np.ravel(x) for x in jax.tree.leaves(
+              outs["ours_chunked"])]))
+      rows.append(dict(
+          shape=shape, mode=mode, impl=name, ms=secs[name] * 1e3,
+          speedup_vs_tokamax_xla_chunked=secs["tokamax_xla_chunked"]
+          / secs[name],
+          speedup_vs_best_tokamax=best_tokamax / secs[name],
+          gflops=flops / secs[name] / 1e9,
+          matmul_fraction=flops / secs[name] / 1e9 / mm_rate,
+          temp_mib=None if mems[name] is None else mems[name] / 2**20,
+          rel_err_vs_ours_chunked=err))
+  return rows
+
+
+def markdown(rows, mm_rate):
+  lines = [
+      f"f32 matmul rate (2048^3, same process): {mm_rate:.0f} GFLOP/s",
+      "",
+      "| B, T, H, K | pass | implementation | ms | tokamax xla_chunked / this"
+      " | best tokamax / this | GFLOP/s | % matmul | temp MiB | rel. err vs"
+      " chunked |",
+      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    mem = "n/a" if r["temp_mib"] is None else f"{r['temp_mib']:.1f}"
+    lines.append(
+        f"| {', '.join(map(str, r['shape']))} | {r['mode']} | {r['impl']} |"
+        f" {r['ms']:.1f} | {r['speedup_vs_tokamax_xla_chunked']:.2f}x |"
+        f" {r['speedup_vs_best_tokamax']:.2f}x | {r['gflops']:.1f} |"
+        f" {100 * r['matmul_fraction']:.1f}% | {mem} |"
+        f" {r['rel_err_vs_ours_chunked']:.1e} |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--shapes", default="all",
+                      help="'all' or e.g. '1x4096x4x64,1x1024x4x64'")
+  parser.add_argument("--out", default="benchmarks/results/kda_speed_cpu.json")
+  a = parser.parse_args()
+  shapes = SHAPES if a.shapes == "all" else [
+      tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+  mm_rate = matmul_gflops()
+  rows = []
+  for shape in shapes:
+    rows += bench_shape(shape, a.repeats, mm_rate)
+    print(markdown(rows, mm_rate), flush=True)
+  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+  with open(a.out, "w") as f:
+    json.dump(dict(machine=dict(platform=platform.platform(),
+                                cpu_count=os.cpu_count(),
+                                device=str(jax.devices()[0]),
+                                jax=jax.__version__),
+                   matmul_gflops=mm_rate, rows=rows), f, indent=1)
+  print(f"\nwrote {a.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,271 @@
+"""KDA op: reference vs a float64 NumPy oracle; chunked and mosaic vs reference.
+
+Every comparison is a relative L2 error (see `linear_attention.testing`):
+outputs, final states, and every gradient under random cotangents
+(`sum(o * do) + sum(state * dstate)`), as in fla's tests/ops/test_kda.py.
+"""
+
+import dataclasses
+
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linear_attention import ops
+from linear_attention import testing
+from tests.kda_oracle import kda_numpy
+
+GRAD_ARGS = ("q", "k", "v", "g", "beta", "a_log", "dt_bias", "initial_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  b: int = 2
+  t: int = 100
+  h: int = 2
+  k: int = 16
+  v: int = 24
+  gate: str = "lower_bound"  # "lower_bound" | "softplus" | "preactivated"
+  g_min: float = -5.0  # for pre-activated log decays: U(g_min, 0)
+  segments: bool = False
+  init: bool = True
+  l2norm: bool = True
+  dtype: str = "float32"
+  seed: int = 0
+
+
+def make_inputs(c: Case):
+  """Random inputs for a case, as a dict of op keyword arguments."""
+  rng = np.random.default_rng(c.seed)
+  normal = lambda *s: rng.normal(size=s).astype(np.float32)
+  args = dict(q=normal(c.b, c.t, c.h, c.k), k=normal(c.b, c.t, c.h, c.k),
+              v=normal(c.b, c.t, c.h, c.v),
+              beta=rng.uniform(0.05, 1.0, (c.b, c.t, c.h)).astype(np.float32))
+  if not c.l2norm:
+    args["k"] = args["k"] / np.linalg.norm(args["k"], axis=-1, keepdims=True)
+  kw = dict(use_qk_l2norm=c.l2norm)
+  if c.gate == "preactivated":
+    args["g"] = rng.uniform(c.g_min, 0.0, (c.b, c.t, c.h, c.k)).astype(
+        np.float32)
+  else:
+    args["g"] = normal(c.b, c.t, c.h, c.k) * 2.0
+    args["a_log"] = np.log(rng.uniform(1, 16, c.h)).astype(np.float32)
+    args["dt_bias"] = normal(c.h * c.k) * 0.5
+    kw.update(use_gate_in_kernel=True,
+              lower_bound=-5.0 if c.gate == "lower_bound" else None)
+  n = None
+  if c.segments:
+    n = 4
+    seg = np.zeros((c.b, c.t), np.int32)
+    for row in range(c.b):  # cut points inside chunks and on a chunk edge
+      cuts = sorted(rng.choice(np.arange(1, c.t), size=min(3, c.t - 1),
+                               replace=False)) if c.t > 3 else [c.t]
+      edges = [0] + list(cuts) + [c.t]
+      for i in range(len(edges) - 1):
+        seg[row, edges[i]:edges[i + 1]] = i + 1
+      seg[row, max(1, c.t - 5 - row):] = 0  # trailing padding
+    if c.t >= 64:
+      seg[0, :64], seg[0, 64:c.t - 5] = 1, 2  # a boundary on a chunk edge
+    kw.update(segment_ids=seg, max_num_segments=n)
+  if c.init:
+    shape = (c.b,) + ((n,) if c.segments else ()) + (c.h, c.k, c.v)
+    args["initial_state"] = normal(*shape) * 0.5
+  dtype = jnp.dtype(c.dtype)
+  for name in ("q", "k", "v", "g", "beta"):
+    args[name] = jnp.asarray(args[name], dtype)
+  for name in ("a_log", "dt_bias", "initial_state"):
+    if name in args:
+      args[name] = jnp.asarray(args[name])
+  if "segment_ids" in kw:
+    kw["segment_ids"] = jnp.asarray(kw["segment_ids"])
+  return args, kw
+
+
+def loss_and_grads(args, kw, backend, seed=1):
+  """Outputs, final state and gradients of a random-cotangent loss."""
+  names = [n for n in GRAD_ARGS if n in args]
+
+  def run(*diff):
+    full = dict(args, **dict(zip(names, diff)))
+    return ops.kimi_delta_attention(
+        full["q"], full["k"], full["v"], full["g"], full["beta"],
+        a_log=full.get("a_log"), dt_bias=full.get("dt_bias"),
+        initial_state=full.get("initial_state"), output_final_state=True,
+        backend=backend, **kw)
+
+  o, state = run(*[args[n] for n in names])
+  rng = np.random.default_rng(seed)
+  do = jnp.asarray(rng.normal(size=o.shape), jnp.float32)
+  ds = jnp.asarray(rng.normal(size=state.shape), jnp.float32)
+
+  def loss(*diff):
+    o, s = run(*diff)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * ds)
+
+  grads = jax.grad(loss, argnums=tuple(range(len(names))))(
+      *[args[n] for n in names])
+  return o, state, dict(zip(names, grads))
+
+
+def assert_all_close(actual, expected, rtol):
+  o, s, g = actual
+  o_ref, s_ref, g_ref = expected
+  testing.assert_close(o, o_ref, rtol=rtol, name="output")
+  testing.assert_close(s, s_ref, rtol=rtol, name="final_state")
+  for name in g_ref:
+    testing.assert_close(g[name], g_ref[name], rtol=rtol, name=f"d{name}")
+
+
+class ReferenceVsNumpyTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("lower_bound", Case()),
+      ("softplus_t63", Case(t=63, gate="softplus")),
+      ("preactivated_segments", Case(gate="preactivated", segments=True)),
+      ("segments_no_init_no_l2", Case(segments=True, init=False, l2norm=False)),
+      ("t1", Case(t=1, h=3)),
+  )
+  def test_matches_float64_oracle(self, case):
+    args, kw = make_inputs(case)
+    o, s = ops.kimi_delta_attention(
+        **args, output_final_state=True, backend="reference", **kw)
+    o_np, s_np = kda_numpy(**args, **kw)
+    testing.assert_close(o, o_np, rtol=1e-5, name="output")
+    testing.assert_close(s, s_np, rtol=1e-5, name="final_state")
+
+
+CHUNKED_CASES = (
+    ("t1", Case(t=1)),
+    ("t63", Case(t=63)),
+    ("t64_h4_softplus", Case(t=64, h=4, gate="softplus")),
+    ("t100_segments", Case(t=100, segments=True)),
+    ("t257_segments_softplus", Case(t=257, segments=True, gate="softplus",
+                                    b=1)),
+    ("t257", Case(t=257, b=1, k=32, v=16)),
+    ("decay_minus_1000", Case(t=130, gate="preactivated", g_min=-1000.0)),
+    ("decay_minus_1000_segments", Case(t=130, gate="preactivated",
+                                       g_min=-1000.0, segments=True)),
+    ("segments_no_init", Case(t=100, segments=True, init=False)),
+)
+
+
+class ChunkedVsReferenceTest(chex.TestCase):
+
+  @chex.variants(with_jit=True)
+  @parameterized.named_parameters(*CHUNKED_CASES)
+  def test_forward_and_gradients(self, case):
+    args, kw = make_inputs(case)
+    # kw holds arrays (segment ids): close over it instead of passing it.
+    actual = self.variant(lambda a: loss_and_grads(a, kw, "chunked"))(args)
+    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    assert_all_close(actual, expected, rtol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_eager_and_jit_agree_with_reference(self):
+    # Op-by-op dispatch is slow: one small packed case covers the eager path.
+    case = Case(b=1, t=70, segments=True)
+    args, kw = make_inputs(case)
+    actual = self.variant(lambda a: loss_and_grads(a, kw, "chunked"))(args)
+    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    assert_all_close(actual, expected, rtol=1e-5)
+
+  def test_bfloat16_inputs(self):
+    case = Case(t=100, segments=True, dtype="bfloat16")
+    args, kw = make_inputs(case)
+    actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
+    # The oracle runs the same bf16-rounded inputs in float32.
+    ref_args = {n: x.astype(jnp.float32) for n, x in args.items()}
+    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(ref_args)
+    self.assertEqual(actual[0].dtype, jnp.bfloat16)
+    # Output rounded to bf16 (8 bits of mantissa): 2e-2 relative L2 allowed.
+    assert_all_close(actual, expected, rtol=testing.RTOL[np.dtype(
+        jnp.bfloat16)])
+
+  def test_extreme_decays_stay_finite(self):
+    # Log decays of -1000 per token and lower_bound=-5 gates both saturate
+    # every exp; a factorised exp(G_i) exp(-G_j) would give inf * 0 = NaN.
+    for case in (Case(t=128, gate="preactivated", g_min=-1000.0),
+                 Case(t=128, gate="lower_bound")):
+      args, kw = make_inputs(case)
+      o, s, g = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
+      chex.assert_tree_all_finite((o, s, g))
+
+
+class MosaicVsReferenceTest(parameterized.TestCase):
+  """tokamax's Pallas kernel, run in interpret mode on CPU (seconds a call)."""
+
+  @parameterized.named_parameters(
+      ("fused_lower_bound_t64", Case(b=1, t=64, h=2, k=32, v=32)),
+      ("preactivated_segments_t100", Case(b=1, t=100, h=1, k=32, v=32,
+                                          gate="preactivated",
+                                          segments=True)),
+  )
+  def test_forward_and_gradients(self, case):
+    args, kw = make_inputs(case)
+    with testing.mosaic_interpret_mode():
+      actual = loss_and_grads(args, kw, "mosaic")
+    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    assert_all_close(actual, expected, rtol=1e-5)
+
+  def test_limits_raise_not_implemented(self):
+    args, kw = make_inputs(Case(b=1, t=63, h=1, k=16, v=16))
+    with self.assertRaisesRegex(NotImplementedError, "interpret"):
+      ops.kimi_delta_attention(**args, backend="mosaic", **kw)
+    with testing.mosaic_interpret_mode():
+      with self.assertRaisesRegex(NotImplementedError, "multiple of 64"):
+        ops.kimi_delta_attention(**args, backend="mosaic", **kw)
+      args64, kw64 = make_inputs(Case(b=1, t=64, h=1, k=16, v=16,
+                                      gate="softplus"))
+      with self.assertRaisesRegex(NotImplementedError, "lower_bound"):
+        ops.kimi_delta_attention(**args64, backend="mosaic", **kw64)
+      big, kwb = make_inputs(Case(b=1, t=64, h=1, k=320, v=8, init=False))
+      with self.assertRaisesRegex(NotImplementedError, "K <= 256"):
+        ops.kimi_delta_attention(**big, backend="mosaic", **kwb)
+
+
+class ValidationTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.args, self.kw = make_inputs(Case(t=8, init=False))
+
+  def call(self, **overrides):
+    kw = dict(self.kw, **{k: v for k, v in overrides.items()
+                          if k not in self.args})
+    args = dict(self.args, **{k: v for k, v in overrides.items()
+                              if k in self.args})
+    return ops.kimi_delta_attention(**args, **kw)
+
+  @parameterized.named_parameters(
+      ("k_shape", dict(k=jnp.zeros((2, 8, 2, 15))), "k must have shape"),
+      ("v_heads", dict(v=jnp.zeros((2, 8, 3, 24))), "v must have shape"),
+      ("beta_shape", dict(beta=jnp.zeros((2, 8))), "beta must have shape"),
+      ("g_shape", dict(g=jnp.zeros((2, 7, 2, 16))), "g must have shape"),
+      ("lower_bound_low", dict(lower_bound=-6.0), "lower_bound"),
+      ("lower_bound_zero", dict(lower_bound=0.0), "lower_bound"),
+      ("lower_bound_nan", dict(lower_bound=float("nan")), "lower_bound"),
+      ("lower_bound_inf", dict(lower_bound=float("-inf")), "lower_bound"),
+      ("missing_a_log", dict(a_log=None), "a_log"),
+      ("a_log_shape", dict(a_log=jnp.zeros(3)), "a_log"),
+      ("dt_bias_shape", dict(dt_bias=jnp.zeros(5)), "dt_bias"),
+      ("backend", dict(backend="cuda"), "backend"),
+      ("init_shape", dict(initial_state=jnp.zeros((2, 2, 16, 23))),
+       "initial_state"),
+      ("scale", dict(scale=-1.0), "scale"),
+      ("segment_shape", dict(segment_ids=jnp.ones((2, 7), jnp.int32)),
+       "segment_ids"),
+  )
+  def test_bad_input_names_the_argument(self, overrides, message):
+    with self.assertRaisesRegex(ValueError, message):
+      self.call(**overrides)
+
+  def test_segment_states_need_max_num_segments(self):
+    seg = jnp.ones((2, 8), jnp.int32)
+    with self.assertRaisesRegex(ValueError, "max_num_segments"):
+      self.call(segment_ids=seg, max_num_segments=None,
+                output_final_state=True)
+    with self.assertRaisesRegex(ValueError, "initial_state"):
+      self.call(segment_ids=seg, max_num_segments=2,
+                initial_state=jnp.zeros((2, 2, 16, 24)))
