@@ -105,7 +105,8 @@ def forward(cfg, **options):
   def f(x, ql, **kw):
     return modules.CompressedSparseIndexer(**cfg, **options, name="indexer")(
         x, ql, **kw)
-  return hk.without_apply_rng(hk.transform(f))
+  model = hk.without_apply_rng(hk.transform(f))
+  return hk.Transformed(model.init, jax.jit(model.apply))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -174,6 +175,7 @@ def test_query_from_x_and_gradients():
   x, _, _ = make(seed=5)
   model = hk.without_apply_rng(hk.transform(
       lambda x: modules.CompressedSparseIndexer(**CFG, q_rank=6)(x)))
+  model = hk.Transformed(model.init, jax.jit(model.apply))
   params = model.init(jax.random.key(3), x)
   out = model.apply(params, x)
   chex.assert_shape(out.indices, (2, 13, CFG["topk"]))
@@ -182,7 +184,7 @@ def test_query_from_x_and_gradients():
     s = model.apply(p, x).scores
     return jnp.sum(jnp.where(jnp.isfinite(s), s, 0.0) ** 2)
 
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   leaves = jax.tree.leaves(grads)
   assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
   assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0

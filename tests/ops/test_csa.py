@@ -184,7 +184,7 @@ def test_rows_without_visible_block(backend, tiles):
   assert not mask[0, :3].any() and mask[0, 3:].any()
   f = lambda q, k, w: ops.csa_streamindex_score(q, k, w, backend=backend,
                                                 **tiles, **kw)
-  out, vjp = jax.vjp(f, q, k, w)
+  out, vjp = jax.vjp(jax.jit(f), q, k, w)
   assert np.all(np.isneginf(np.asarray(out)[0, :3]))
   dq, dk, dw = vjp(jnp.asarray(cotangent(c, mask)))
   for x in (dq, dk, dw):
@@ -192,7 +192,8 @@ def test_rows_without_visible_block(backend, tiles):
   assert not np.any(np.asarray(dq)[0, :3]) and not np.any(np.asarray(dw)[0, :3])
   # A batch where nothing is visible at all: every gradient exactly zero.
   g = jnp.asarray(np.random.default_rng(0).normal(size=out.shape), jnp.float32)
-  _, vjp0 = jax.vjp(lambda q, k, w: f(q[:, :3], k, w[:, :3]), q, k, w)
+  _, vjp0 = jax.vjp(jax.jit(lambda q, k, w: f(q[:, :3], k, w[:, :3])), q, k,
+                    w)
   for x in vjp0(g[:, :3]):
     assert not np.any(np.asarray(x))
 
@@ -262,3 +263,46 @@ def test_bad_inputs_raise_naming_the_argument():
     call(backend="pallas", head_chunk=3)
   with pytest.raises(NotImplementedError, match="head_chunk"):
     call(backend="xla_chunked", head_chunk=3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_kernels_lower_to_mosaic(dtype):
+  # No TPU here: export for the TPU platform runs the Pallas -> Mosaic
+  # lowering of all three kernels (block shapes, in-kernel ops), not libtpu.
+  dt = jnp.dtype(dtype)
+  b, s, h, d, w = 2, 300, 4, 64, 200
+  shapes = [jax.ShapeDtypeStruct((b, s, h, d), dt),
+            jax.ShapeDtypeStruct((b, w, d), dt),
+            jax.ShapeDtypeStruct((b, s, h), dt),
+            jax.ShapeDtypeStruct((b, s), jnp.int32),
+            jax.ShapeDtypeStruct((b, w), jnp.int32)]
+
+  def f(q, k, wt, qseg, kseg):
+    score = lambda q, k, wt: ops.csa_streamindex_score(
+        q, k, wt, softmax_scale=0.125, compress_rate=2, q_segment_ids=qseg,
+        kv_segment_ids=kseg, backend="pallas", interpret=False, block_q=128,
+        block_w=128, head_chunk=2)
+    out, vjp = jax.vjp(score, q, k, wt)
+    return out, vjp(jnp.zeros_like(out))
+
+  exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes)
+  assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+@pytest.mark.parametrize("positions", ["default", "packed"])
+def test_pallas_tile_skipping_is_safe_and_skips(positions):
+  # Every tile holding a visible entry must be computed; some must be skipped.
+  from linear_attention.ops.csa import pallas  # pylint: disable=g-import-not-at-top
+  c = Case(b=2, s=64, w=32, r=2, positions=positions, seed=9)
+  _, kw, orc = make(c)
+  _, mask = oracle(np.zeros((c.b, c.s, 1, 1)), np.zeros((c.b, c.w, 1)),
+                   np.zeros((c.b, c.s, 1)), **orc)
+  seg = lambda x, n: np.zeros(n, np.int32) if x is None else np.asarray(x)
+  live = np.asarray(pallas.live_tiles(
+      jnp.asarray(orc["qpos"]), jnp.asarray(orc["kpos"]),
+      jnp.asarray(seg(orc["qseg"], (c.b, c.s))),
+      jnp.asarray(seg(orc["kseg"], (c.b, c.w))), 8, 8))
+  any_visible = mask.reshape(c.b, 8, 8, 4, 8).any(axis=(2, 4))
+  assert live.shape == any_visible.shape
+  assert np.all(live | ~any_visible)
+  assert (~live).sum() >= 20, (~live).sum()

@@ -38,7 +38,8 @@ writes -inf there.
 Dtypes: matmul operands keep the input dtype (bf16 inputs give bf16 MXU
 matmuls; dA is cast to bf16 for the backward matmuls) and accumulate in
 float32; float32 inputs use `Precision.HIGHEST`, the exact path the tests
-check. Scores, dk accumulation and dweights are float32 throughout.
+check. Weights enter the kernels as float32; scores, dq/dk accumulation and
+dweights are float32 throughout.
 
 On TPU the kernels compile with Mosaic; elsewhere `interpret=True` runs the
 same kernels in Pallas interpret mode (slow: tests only).
@@ -245,6 +246,20 @@ def _tile_meta(qpos, kpos, qseg, kseg, bq, bw):
           kmeta.reshape(-1).astype(jnp.int32))
 
 
+def live_tiles(q_positions, block_last_positions, q_segment_ids,
+               kv_segment_ids, block_q, block_w):
+  """[B, S/block_q, W/block_w] bool: the tiles the kernels compute (the rest
+  are skipped). Same tables and test as in-kernel; S, W multiples of tiles."""
+  qmeta, kmeta = _tile_meta(q_positions, block_last_positions, q_segment_ids,
+                            kv_segment_ids, block_q, block_w)
+  b = q_positions.shape[0]
+  nq = q_positions.shape[1] // block_q
+  nk = block_last_positions.shape[1] // block_w
+  bi, ii, jj = np.meshgrid(np.arange(b), np.arange(nq), np.arange(nk),
+                           indexing="ij")
+  return _live(qmeta, kmeta, bi, ii, jj, nq, nk)
+
+
 def _grid_sizes(t: Tiles, qt, kt):
   b, h, sp, _ = qt.shape
   return b, sp // t.block_q, kt.shape[1] // t.block_w, h // t.head_chunk
@@ -373,7 +388,11 @@ def score_pallas(q, k_compressed, weights, *, softmax_scale, q_positions,
   ps, pw = -s % bq, -w % bw
   i32 = lambda x: x.astype(jnp.int32)
   qt = _pad_axis(jnp.transpose(q, (0, 2, 1, 3)), 2, ps)
-  wt = _pad_axis(jnp.transpose(weights, (0, 2, 1))[..., None], 2, ps)
+  # weights enter as float32 ([B, S, H] is small; a (bq, 1) f32 column
+  # avoids packed-bf16 layouts in VMEM); their gradient returns in f32 and
+  # autodiff casts it back to weights.dtype.
+  wt = _pad_axis(jnp.transpose(weights.astype(_F32), (0, 2, 1))[..., None],
+                 2, ps)
   kt = _pad_axis(k_compressed, 1, pw)
   qpos = _pad_axis(i32(q_positions), 1, ps, _IMIN)[..., None]
   qseg = _pad_axis(i32(q_segment_ids), 1, ps, mode="edge")[..., None]
@@ -396,7 +415,7 @@ def cost_estimate(b, s, w, h, d, dtype, t: Tiles, *, backward=False):
   nq, nk = -(-s // t.block_q), -(-w // t.block_w)
   sp, wp = nq * t.block_q, nk * t.block_w
   q_bytes, k_bytes = b * sp * h * d * item, b * wp * d * item
-  w_bytes, sw_bytes = b * sp * h * item, b * sp * wp * 4
+  w_bytes, sw_bytes = b * sp * h * 4, b * sp * wp * 4
   if not backward:
     flops = 2 * b * sp * wp * h * d + 3 * b * sp * wp * h
     hbm = nk * (q_bytes + w_bytes) + nq * k_bytes + sw_bytes
