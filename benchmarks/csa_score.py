@@ -1,8 +1,8 @@
 """CSA indexer score: memory and time of `reference` vs `xla_chunked`, and a
 TPU roofline estimate for the fused Pallas kernels.
 
-    .venv/bin/python -m benchmarks.csa_score            # S=4096 W=1024 H=16 D=64
-    .venv/bin/python -m benchmarks.csa_score --small    # a quick smoke run
+    .venv/bin/python -m benchmarks.csa_score          # S=4096 W=1024 H=16 D=64
+    .venv/bin/python -m benchmarks.csa_score --small  # a quick smoke run
 
 Peak memory is XLA's compiled temp allocation
 (`jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes`):

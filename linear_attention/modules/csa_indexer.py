@@ -78,7 +78,7 @@ def _int(name, v, lo, allow_none=False):
 
 
 class CompressedSparseIndexer(hk.Module):
-  """DeepSeek-V4 CSA indexer: compressor, score, top-k (see module docstring)."""
+  """DeepSeek-V4 CSA indexer: compressor, score, top-k (see the module doc)."""
 
   def __init__(
       self,

@@ -18,6 +18,7 @@ import pytest
 
 from linear_attention import ops
 from linear_attention import testing
+from linear_attention.ops.csa import pallas
 
 F32_RTOL = testing.RTOL[np.dtype("float32")]
 BF16_RTOL = testing.RTOL[np.dtype("bfloat16")]
@@ -292,7 +293,6 @@ def test_pallas_kernels_lower_to_mosaic(dtype):
 @pytest.mark.parametrize("positions", ["default", "packed"])
 def test_pallas_tile_skipping_is_safe_and_skips(positions):
   # Every tile holding a visible entry must be computed; some must be skipped.
-  from linear_attention.ops.csa import pallas  # pylint: disable=g-import-not-at-top
   c = Case(b=2, s=64, w=32, r=2, positions=positions, seed=9)
   _, kw, orc = make(c)
   _, mask = oracle(np.zeros((c.b, c.s, 1, 1)), np.zeros((c.b, c.w, 1)),

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 CSA StreamIndex indexer score: reference, XLA tiles, Pallas kernels."""
+"""DeepSeek-V4 CSA StreamIndex indexer score: reference, XLA tiles, Pallas."""
 
 from linear_attention.ops.csa.api import Backend
 from linear_attention.ops.csa.api import csa_streamindex_score

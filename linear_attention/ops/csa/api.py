@@ -4,7 +4,7 @@ DeepSeek-V4 Compressed Sparse Attention (CSA) StreamIndex indexer score
 (DeepSeek-V4 inference code, `Indexer`; MaxText
 `kernels/attention/csa_streamindex.py`). With c = softmax_scale:
 
-    score[b, s, w] = c * sum_h weights[b, s, h] * relu(q[b, s, h, :] . k[b, w, :])
+    score[b, s, w] = c sum_h weights[b, s, h] relu(q[b, s, h, :] . k[b, w, :])
 
 Block w (one compressed key per `compress_rate` tokens) is visible to query s
 iff `block_last_positions[b, w] <= q_positions[b, s]` (a block becomes

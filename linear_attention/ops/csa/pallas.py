@@ -1,4 +1,4 @@
-"""Fused Pallas (TPU-style) kernels for the CSA indexer score, forward and backward.
+"""Fused Pallas (TPU-style) kernels for the CSA indexer score, fwd and bwd.
 
 Math (DeepSeek-V4 indexer; NOTES "DeepSeek-V4 CSA indexer"), c = softmax_scale,
 A[b, s, h, w] = q[b, s, h, :] . k[b, w, :]:

@@ -3,7 +3,7 @@
 DeepSeek-V4 Compressed Sparse Attention indexer (DeepSeek-V4 inference code,
 `Indexer.forward`; MaxText `kernels/attention/csa_streamindex.py`):
 
-    score[b, s, w] = c * sum_h weights[b, s, h] * relu(q[b, s, h, :] . k[b, w, :])
+    score[b, s, w] = c sum_h weights[b, s, h] relu(q[b, s, h, :] . k[b, w, :])
 
 with c = softmax_scale. Block w is visible to query s iff
 

@@ -63,7 +63,8 @@ def _score(scale, bq, hc, q, k, w, qpos, kpos, qseg, kseg):
       a = jnp.einsum("bqhd,bwd->bqhw", _heads(q_t, c, hc), k,
                      preferred_element_type=_F32, precision=prec)
       return acc + jnp.einsum("bqh,bqhw->bqw", _heads(w_t, c, hc),
-                              jax.nn.relu(a), precision=jax.lax.Precision.HIGHEST)
+                              jax.nn.relu(a),
+                              precision=jax.lax.Precision.HIGHEST)
 
     acc = jax.lax.fori_loop(0, h // hc, chunk, jnp.zeros((b, bq, nw), _F32))
     mask = reference.visible_mask(_tile(qpos, t, bq), kpos,
