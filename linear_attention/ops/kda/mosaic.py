@@ -13,6 +13,14 @@ turns the kernel's limits into `NotImplementedError`s that name them:
   its numerical range is the caller's responsibility: the kernel factors
   exp(G_i - G_j) around the middle of 16-token sub-chunks, so per-token log
   decays far below -5 can overflow inside it.
+
+With packed segments, tokamax 0.0.17's backward returns NaN gradients at
+padding positions (segment id 0) and for the initial states of segments that
+have no token in a row (measured: H=1, T=100, K=V=32, two segments, trailing
+padding). Its forward is right there, so this adapter keeps the op's contract
+around it: padding tokens are no-ops, so their gradients are zero; a segment
+absent from a row has its initial state as final state, so that gradient is
+passed straight through. Both are selects, which drop the NaN cotangents.
 """
 
 import jax
@@ -65,10 +73,25 @@ def kda_mosaic(
   dtype = q.dtype
   k, v, g = k.astype(dtype), v.astype(dtype), g.astype(dtype)
   beta = beta.astype(dtype)
+  present = None
+  if segment_ids is not None:
+    # Padding is a no-op: route no cotangent into tokamax's there.
+    valid = (segment_ids > 0)[:, :, None]
+    detach_pad = lambda x: jnp.where(
+        valid.reshape(valid.shape + (1,) * (x.ndim - 3)), x,
+        jax.lax.stop_gradient(x))
+    q, k, v, g, beta = map(detach_pad, (q, k, v, g, beta))
   if initial_state is not None:
     initial_state = initial_state.astype(jnp.float32)
     if segment_ids is None:
       initial_state = initial_state[:, None]  # [B, 1, H, K, V]
+    else:
+      ids = jnp.arange(1, initial_state.shape[1] + 1)
+      present = jnp.any(segment_ids[:, None, :] == ids[None, :, None],
+                        axis=-1)[:, :, None, None, None]  # [B, N, 1, 1, 1]
+      given_state = initial_state
+      initial_state = jnp.where(present, initial_state,
+                                jax.lax.stop_gradient(initial_state))
   o, final_state = tokamax_kda.kimi_delta_attention(
       head_first(q), head_first(k), head_first(v), head_first(g),
       jnp.moveaxis(beta, 2, 0),
@@ -87,4 +110,6 @@ def kda_mosaic(
   final_state = final_state.astype(jnp.float32)
   if segment_ids is None:
     final_state = final_state[:, 0]
+  elif present is not None:
+    final_state = jnp.where(present, final_state, given_state)
   return o, final_state
