@@ -1,0 +1,30 @@
+"""Synthetic tasks that probe a mixer's memory (NumPy, deterministic per seed).
+
+`make_task(name, **kwargs)` builds one by name from the config's `task`
+section: `delayed_copy` (copying memory) or `mqar` (Zoology's multi-query
+associative recall).
+"""
+
+from experiments.tasks.base import Batch
+from experiments.tasks.base import EVAL_STREAM
+from experiments.tasks.base import rng
+from experiments.tasks.base import Task
+from experiments.tasks.base import TRAIN_STREAM
+from experiments.tasks.delayed_copy import DelayedCopy
+from experiments.tasks.mqar import MQAR
+
+TASKS = {"delayed_copy": DelayedCopy, "mqar": MQAR}
+
+
+def make_task(name: str, **kwargs) -> Task:
+  """The task called `name`, built from its keyword fields."""
+  if name not in TASKS:
+    raise ValueError(f"task.name must be one of {sorted(TASKS)}; got {name!r}.")
+  try:
+    return TASKS[name](**kwargs)
+  except TypeError as e:  # an unknown field
+    raise ValueError(f"task {name!r}: {e}") from None
+
+
+__all__ = ["Batch", "DelayedCopy", "EVAL_STREAM", "MQAR", "TASKS", "Task",
+           "TRAIN_STREAM", "make_task", "rng"]

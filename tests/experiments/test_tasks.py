@@ -1,0 +1,120 @@
+"""Invariants of the synthetic task generators (NumPy only, fast)."""
+
+import numpy as np
+import pytest
+
+from experiments import tasks
+
+
+def _mqar_batch(seed=0, **kw):
+  task = tasks.MQAR(**kw)
+  return task, task.sample(tasks.rng(seed, tasks.TRAIN_STREAM, 0), 32)
+
+
+@pytest.mark.parametrize("random_filler", [False, True])
+def test_mqar_every_query_label_is_the_value_paired_with_its_key(
+    random_filler):
+  task, b = _mqar_batch(seq_len=128, num_pairs=8, vocab_size=64,
+                        random_filler=random_filler)
+  n, half = task.num_pairs, task.vocab_size // 2
+  assert b.inputs.shape == b.targets.shape == b.mask.shape == (32, 128)
+  for row in range(32):
+    x, y, m = b.inputs[row], b.targets[row], b.mask[row]
+    keys, values = x[0:2 * n:2], x[1:2 * n:2]
+    assert np.all((keys >= 1) & (keys < half)), keys
+    assert np.all((values >= half) & (values < task.vocab_size)), values
+    assert len(set(keys)) == n and len(set(values)) == n
+    pairs = dict(zip(keys, values))
+    query_pos = np.flatnonzero(m)
+    assert len(query_pos) == n  # every key queried exactly once
+    assert np.all(query_pos >= 2 * n) and np.all((query_pos - 2 * n) % 2 == 0)
+    assert sorted(x[query_pos]) == sorted(keys)
+    for p in query_pos:
+      assert y[p] == pairs[x[p]]
+    assert np.all(y[m == 0] == 0) and set(np.unique(m)) <= {0.0, 1.0}
+    if not random_filler:
+      filler = np.ones(128, bool)
+      filler[:2 * n] = False
+      filler[query_pos] = False
+      assert np.all(x[filler] == 0)
+
+
+def test_mqar_gaps_follow_the_power_law():
+  task, b = _mqar_batch(seq_len=256, num_pairs=16, vocab_size=256)
+  p = task.gap_probabilities
+  assert p.size == (256 - 32) // 2 and np.isclose(p.sum(), 1.0)
+  assert np.all(np.diff(p) < 0)  # nearer slots are more likely
+  slots = (np.flatnonzero(b.mask.ravel()) % 256 - 32) // 2
+  # Uniform sampling without replacement would give a mean slot of ~55.5.
+  assert slots.mean() < 50, slots.mean()
+
+
+def test_mqar_chance_and_validation():
+  assert tasks.MQAR(vocab_size=256).chance_accuracy == pytest.approx(1 / 128)
+  assert tasks.MQAR(vocab_size=33, num_pairs=4,
+                    seq_len=64).chance_accuracy == pytest.approx(1 / 17)
+  with pytest.raises(ValueError, match="task.seq_len"):
+    tasks.MQAR(seq_len=60, num_pairs=16)
+  with pytest.raises(ValueError, match="task.vocab_size"):
+    tasks.MQAR(seq_len=256, num_pairs=16, vocab_size=32)
+  with pytest.raises(ValueError, match="task.seq_len must be even"):
+    tasks.MQAR(seq_len=255)
+  with pytest.raises(ValueError, match="num_pairz"):
+    tasks.make_task("mqar", num_pairz=3)
+  with pytest.raises(ValueError, match="task.name"):
+    tasks.make_task("mqr")
+
+
+@pytest.mark.parametrize("teacher_forcing", [True, False])
+def test_delayed_copy_layout(teacher_forcing):
+  task = tasks.DelayedCopy(num_symbols=10, alphabet_size=8, delay=64,
+                           teacher_forcing=teacher_forcing)
+  b = task.sample(tasks.rng(1, tasks.TRAIN_STREAM, 5), 16)
+  assert task.seq_len == 84 and b.inputs.shape == (16, 84)
+  assert task.chance_accuracy == pytest.approx(1 / 8)
+  symbols = b.inputs[:, :10]
+  assert np.all((symbols >= 1) & (symbols <= 8))
+  assert np.all(b.inputs[:, 10:74] == 0)  # the delay is blank
+  assert np.all(b.inputs[:, 74] == task.delimiter)
+  np.testing.assert_array_equal(b.targets[:, 74:], symbols)
+  np.testing.assert_array_equal(b.mask[:, 74:], 1.0)
+  assert b.mask[:, :74].sum() == 0 and np.all(b.targets[:, :74] == 0)
+  fed = symbols[:, :-1] if teacher_forcing else 0 * symbols[:, :-1]
+  np.testing.assert_array_equal(b.inputs[:, 75:], fed)
+
+
+def test_delayed_copy_random_delay():
+  task = tasks.DelayedCopy(num_symbols=4, alphabet_size=5, delay=20,
+                           random_delay=True, min_delay=3)
+  b = task.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0), 64)
+  assert b.inputs.shape == (64, 2 * 4 + 20)
+  delims = [np.flatnonzero(row == task.delimiter) for row in b.inputs]
+  assert all(len(d) == 1 for d in delims)
+  delays = np.array([d[0] - 4 for d in delims])
+  assert delays.min() >= 3 and delays.max() <= 20 and len(set(delays)) > 3
+  for row, d in enumerate(delays):
+    out = slice(4 + d, 8 + d)
+    np.testing.assert_array_equal(b.targets[row, out], b.inputs[row, :4])
+    assert b.mask[row].sum() == 4 and np.all(b.mask[row, out] == 1)
+  with pytest.raises(ValueError, match="task.min_delay"):
+    tasks.DelayedCopy(delay=3, random_delay=True, min_delay=5)
+  with pytest.raises(ValueError, match="task.alphabet_size"):
+    tasks.DelayedCopy(alphabet_size=1)
+
+
+@pytest.mark.parametrize("task", [
+    tasks.MQAR(seq_len=64, num_pairs=4, vocab_size=32),
+    tasks.DelayedCopy(num_symbols=5, delay=7, random_delay=True),
+], ids=["mqar", "delayed_copy"])
+def test_deterministic_per_seed_and_streams_differ(task):
+  def draw(seed, stream, index):
+    return task.sample(tasks.rng(seed, stream, index), 8).as_dict()
+
+  a, again = draw(3, tasks.TRAIN_STREAM, 7), draw(3, tasks.TRAIN_STREAM, 7)
+  for key in a:
+    np.testing.assert_array_equal(a[key], again[key])
+  for other in (draw(4, tasks.TRAIN_STREAM, 7), draw(3, tasks.TRAIN_STREAM, 8),
+                draw(3, tasks.EVAL_STREAM, 7)):
+    assert not np.array_equal(a["inputs"], other["inputs"])
+  with pytest.raises(ValueError, match="seed"):
+    tasks.rng(-1, 0, 0)
