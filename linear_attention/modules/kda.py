@@ -203,7 +203,7 @@ class KimiDeltaAttention(hk.Module):
 
   def __call__(
       self, x: jax.Array, segment_ids: jax.Array | None = None, *,
-      cache: KDACache | None = None,
+      max_num_segments: int | None = None, cache: KDACache | None = None,
   ) -> jax.Array | tuple[jax.Array, KDACache]:
     """Applies the layer.
 
@@ -212,7 +212,10 @@ class KimiDeltaAttention(hk.Module):
       segment_ids: [B, T] int, 1-indexed packed documents, 0 = padding; no
         information crosses a document boundary (conv and core). With a
         `cache`, every non-zero id is the row's one document continuing the
-        cache (use 0 for padding).
+        cache (use 0 for padding). Padding outputs zero.
+      max_num_segments: static bound on the documents per row, passed to the
+        op; default T for backend="mosaic" (tokamax needs a bound), unused
+        otherwise.
       cache: a `KDACache` to continue from (`init_cache` for a new sequence).
 
     Returns:
@@ -257,15 +260,25 @@ class KimiDeltaAttention(hk.Module):
       dt_bias = jnp.repeat(dt_bias, kd)  # [H] -> [H*K]
     beta = jax.nn.sigmoid(self._linear(h, "b_proj")(x).astype(f32))
 
+    backend = self._core_backend(t, cached)
+    initial_state = None
+    if cached:
+      initial_state = cache.state
+      if segment_ids is not None:  # ids are 0/1 here: one state per row
+        initial_state, max_num_segments = cache.state[:, None], 1
+    elif segment_ids is not None:
+      # Stateless: every document starts from zeros. tokamax's kernel needs a
+      # static bound on the documents per row (T at most); the XLA backends
+      # (ops/kda/common.py `prepare`) only size zero initial states by it, so
+      # 1 serves them (every id reads the same zero state).
+      max_num_segments = max_num_segments or (
+          t if backend == kda_api.Backend.MOSAIC else 1)
     o, state = kda_api.kimi_delta_attention(
         q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
         lower_bound=self.lower_bound, use_gate_in_kernel=True,
-        use_qk_l2norm=True,
-        initial_state=(cache.state[:, None] if cached and segment_ids
-                       is not None else cache.state if cached else None),
+        use_qk_l2norm=True, initial_state=initial_state,
         output_final_state=cached, segment_ids=segment_ids,
-        max_num_segments=1 if cached and segment_ids is not None else None,
-        backend=self._core_backend(t, cached))
+        max_num_segments=max_num_segments, backend=backend)
     chex.assert_shape(o, (b, t, h, vd))
 
     o = norms.RMSNorm(name="o_norm")(o).reshape(b, t, h * vd)
