@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import reference
+from linear_attention.parallel import kda_cp
 
 
 class Backend(enum.Enum):
@@ -136,6 +137,7 @@ def kimi_delta_attention(
     segment_ids: jax.Array | None = None,
     max_num_segments: int | None = None,
     backend: str | Backend = "chunked",
+    context_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention over [B, T, H, *] inputs.
 
@@ -157,6 +159,13 @@ def kimi_delta_attention(
     segment_ids: [B, T] int, 1-indexed packed documents, 0 = padding.
     max_num_segments: static N; required with segment_ids and states.
     backend: "reference" | "chunked" | "mosaic" (or a `Backend`).
+    context_axis: None, or the name of a mesh axis when called inside
+      `jax.shard_map` with T split over it (contiguous slices in rank order;
+      segment_ids is this rank's slice of the global ids; initial_state and
+      the final state are global, the same on every rank). The result is the
+      global one on this rank's slice, by exact state passing
+      (`linear_attention.parallel.kda_cp`); "mosaic" uses tokamax's CP path
+      and raises NotImplementedError for its limits.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state float32 or None).
@@ -166,6 +175,8 @@ def kimi_delta_attention(
     NotImplementedError: the backend cannot take this input.
   """
   backend = Backend.parse(backend)
+  if context_axis is not None:
+    kda_cp.context_axis_size(context_axis)  # ValueError: not a bound axis
   _validate(q, k, v, g, beta, scale=scale, a_log=a_log, dt_bias=dt_bias,
             lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
             initial_state=initial_state,
@@ -182,6 +193,10 @@ def kimi_delta_attention(
       use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm=use_qk_l2norm,
       initial_state=initial_state, output_final_state=output_final_state,
       segment_ids=segment_ids, max_num_segments=max_num_segments)
+  if context_axis is not None:
+    return kda_cp.kda_context_parallel(
+        q, k, v, g, beta, context_axis=context_axis, backend=backend,
+        **kwargs)
   match backend:
     case Backend.REFERENCE:
       return reference.kda_reference(q, k, v, g, beta, **kwargs)

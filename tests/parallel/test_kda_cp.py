@@ -1,0 +1,185 @@
+"""KDA with context_axis inside shard_map vs the single-device op and oracle.
+
+The sequence (T = 64) is split over 2, 4 or 8 ranks; outputs, final states
+and every gradient (random cotangents, taken outside shard_map) must equal
+the single-device op with the same backend (relative L2 <= 1e-5, float32),
+and outputs and final states the float64 NumPy oracle.
+"""
+
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from linear_attention import ops
+from linear_attention import testing
+from linear_attention.parallel import kda_cp
+from tests.kda_oracle import kda_numpy
+from tests.parallel import common
+
+AXIS = "context"
+N = 3  # max_num_segments of common.packed_segment_ids()
+
+
+def make_case(gate, *, segments=True, init=True, b=2, h=2, kd=8, vd=16,
+              seed=0):
+  """Inputs (dict of arrays) and static keyword arguments of the op."""
+  rng = np.random.default_rng(seed)
+  t = common.T
+  normal = lambda *s: rng.normal(size=s).astype(np.float32)
+  args = dict(q=normal(b, t, h, kd), k=normal(b, t, h, kd),
+              v=normal(b, t, h, vd),
+              beta=rng.uniform(0.05, 1.0, (b, t, h)).astype(np.float32))
+  kw = dict(use_qk_l2norm=True)
+  if gate == "preactivated":
+    args["g"] = rng.uniform(-5.0, 0.0, (b, t, h, kd)).astype(np.float32)
+  else:
+    args["g"] = normal(b, t, h, kd) * 2.0
+    args["a_log"] = np.log(rng.uniform(1, 16, h)).astype(np.float32)
+    args["dt_bias"] = normal(h * kd) * 0.5
+    kw.update(use_gate_in_kernel=True,
+              lower_bound=-5.0 if gate == "lower_bound" else None)
+  if segments:
+    args["segment_ids"] = common.packed_segment_ids()[:b]
+    kw["max_num_segments"] = N
+  if init:
+    shape = (b,) + ((N,) if segments else ()) + (h, kd, vd)
+    args["initial_state"] = normal(*shape) * 0.5
+  return {n: jnp.asarray(x) for n, x in args.items()}, kw
+
+
+def run_op(args, kw, backend, num_ranks, final):
+  """The op on one device (num_ranks=None) or sharded over T."""
+  names = sorted(args)
+
+  def op(*xs):
+    a = dict(zip(names, xs))
+    return ops.kimi_delta_attention(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], a_log=a.get("a_log"),
+        dt_bias=a.get("dt_bias"), initial_state=a.get("initial_state"),
+        segment_ids=a.get("segment_ids"), output_final_state=final,
+        backend=backend, context_axis=None if num_ranks is None else AXIS,
+        **kw)
+
+  if num_ranks is None:
+    return op(*[args[n] for n in names])
+  seq = ("q", "k", "v", "g", "beta", "segment_ids")
+  specs = tuple(P(None, AXIS) if n in seq else P() for n in names)
+  sharded = jax.shard_map(op, mesh=common.mesh(num_ranks), in_specs=specs,
+                          out_specs=(P(None, AXIS), P()), check_vma=False)
+  return sharded(*[args[n] for n in names])
+
+
+def outputs_and_grads(args, kw, backend, num_ranks, final=True):
+  """(o, final state, grads) of sum(o * do) + sum(state * dstate)."""
+  diff = [n for n in sorted(args) if n != "segment_ids"]
+  o, s = run_op(args, kw, backend, None, final)  # cotangent shapes
+  rng = np.random.default_rng(7)
+  do = jnp.asarray(rng.normal(size=o.shape), jnp.float32)
+  ds = None if s is None else jnp.asarray(rng.normal(size=s.shape),
+                                          jnp.float32)
+
+  def loss(xs):
+    o, s = run_op(dict(args, **xs), kw, backend, num_ranks, final)
+    total = jnp.sum(o * do)
+    return total if s is None else total + jnp.sum(s * ds), (o, s)
+
+  grads, (o, s) = jax.jit(jax.grad(loss, has_aux=True))(
+      {n: args[n] for n in diff})
+  return o, s, grads
+
+
+def assert_same(actual, expected, rtol=1e-5):
+  o, s, g = actual
+  o_ref, s_ref, g_ref = expected
+  testing.assert_close(o, o_ref, rtol=rtol, name="output")
+  if s_ref is not None:
+    testing.assert_close(s, s_ref, rtol=rtol, name="final_state")
+  for name in g_ref:
+    testing.assert_close(g[name], g_ref[name], rtol=rtol, name=f"d{name}")
+
+
+class ContextParallelKdaTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("chunked_cp2_lower_bound", "chunked", 2, "lower_bound", True, True),
+      ("chunked_cp4_lower_bound", "chunked", 4, "lower_bound", True, True),
+      ("chunked_cp8_softplus", "chunked", 8, "softplus", True, True),
+      ("reference_cp4_softplus", "reference", 4, "softplus", True, True),
+      ("reference_cp8_lower_bound", "reference", 8, "lower_bound", True,
+       True),
+      ("chunked_cp8_stateless", "chunked", 8, "lower_bound", True, False),
+      ("chunked_cp4_no_segments", "chunked", 4, "preactivated", False, True),
+      ("reference_cp2_no_segments_stateless", "reference", 2, "softplus",
+       False, False),
+  )
+  def test_matches_single_device(self, backend, num_ranks, gate, segments,
+                                 stateful):
+    args, kw = make_case(gate, segments=segments, init=stateful)
+    expected = outputs_and_grads(args, kw, backend, None, final=stateful)
+    actual = outputs_and_grads(args, kw, backend, num_ranks, final=stateful)
+    assert_same(actual, expected)
+
+  @parameterized.named_parameters(
+      ("chunked_cp4", "chunked", 4, "lower_bound"),
+      ("reference_cp8", "reference", 8, "softplus"),
+  )
+  def test_matches_float64_oracle(self, backend, num_ranks, gate):
+    args, kw = make_case(gate)
+    o, s = jax.jit(lambda a: run_op(a, kw, backend, num_ranks, True))(args)
+    o_np, s_np = kda_numpy(**args, **kw)
+    testing.assert_close(o, o_np, rtol=1e-5, name="output")
+    testing.assert_close(s, s_np, rtol=1e-5, name="final_state")
+
+  def test_reordered_layout_rejected(self):
+    args, kw = make_case("lower_bound", init=False)
+    a = args
+
+    def op(q, k, v, g, beta, seg):
+      return kda_cp.kda_context_parallel(
+          q, k, v, g, beta, context_axis=AXIS, backend="chunked",
+          scale=0.5, a_log=a["a_log"], dt_bias=a["dt_bias"],
+          segment_ids=seg, sequence_layout="zigzag",
+          **{n: kw[n] for n in ("use_gate_in_kernel", "lower_bound")})
+
+    spec = P(None, AXIS)
+    sharded = jax.shard_map(op, mesh=common.mesh(2), in_specs=(spec,) * 6,
+                            out_specs=(spec, P()), check_vma=False)
+    with self.assertRaisesRegex(ValueError, "sequence_layout.*zig-zag"):
+      sharded(a["q"], a["k"], a["v"], a["g"], a["beta"], a["segment_ids"])
+
+  def test_bad_context_axis(self):
+    args, kw = make_case("preactivated", segments=False, init=False)
+    call = lambda axis: ops.kimi_delta_attention(
+        args["q"], args["k"], args["v"], args["g"], args["beta"],
+        context_axis=axis, **kw)
+    with self.assertRaisesRegex(ValueError, "context_axis must be None or"):
+      call(3)
+    with self.assertRaisesRegex(ValueError, "not a bound mesh axis"):
+      call(AXIS)  # outside shard_map
+    spec = P(None, AXIS)
+    inside = jax.shard_map(
+        lambda *xs: ops.kimi_delta_attention(*xs, context_axis="seq", **kw),
+        mesh=common.mesh(2), in_specs=(spec,) * 5, out_specs=(spec, P()),
+        check_vma=False)
+    with self.assertRaisesRegex(ValueError, "'seq' is not a bound mesh"):
+      inside(args["q"], args["k"], args["v"], args["g"], args["beta"])
+
+
+class MosaicContextParallelLimitsTest(parameterized.TestCase):
+  """tokamax's CP path: each limit raises NotImplementedError naming it."""
+
+  @parameterized.named_parameters(
+      ("no_segments", dict(segments=False, init=False), False,
+       "segment_ids .*required"),
+      ("small_dims", dict(init=False), False, "multiples of 128"),
+      ("initial_state", dict(kd=128, vd=128, h=1, b=1), False,
+       "initial_state is not supported"),
+      ("final_state", dict(kd=128, vd=128, h=1, b=1, init=False), True,
+       "output_final_state=True is not supported"),
+  )
+  def test_limit_raises(self, case_kw, final, message):
+    args, kw = make_case("lower_bound", **case_kw)
+    with self.assertRaisesRegex(NotImplementedError, message):
+      run_op(args, kw, "mosaic", 2, final)
