@@ -32,6 +32,8 @@ carried state, and tokens of a run that starts inside it read their segment's
 initial state.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -39,6 +41,8 @@ from linear_attention.ops.kda import common
 
 CHUNK = 64
 SUB = 16
+# exp(-x) is finite in float32 for x <= 88; 16 tokens at -5 give 80.
+_FACTOR_LIMIT = 80.0
 
 
 def _segmented_cumsum(x, starts, axis):
@@ -86,86 +90,160 @@ def _runs(segment_ids):
   return run_seg, run_index, start
 
 
-def _intra_chunk(q, k, g, run, starts, segmented):
-  """Intra-chunk decays and masked score matrices for all chunks at once.
+class ChunkDecays(NamedTuple):
+  """Per-chunk decay factors and score matrices (all exponents <= 0)."""
+
+  read: jax.Array  # [..., C, K] exp(G_i): token i reads the chunk-start state
+  to_end: jax.Array  # [..., C, K] exp(G_last - G_j), within the last run
+  total: jax.Array  # [..., K] exp(G_last)
+  a_kk: jax.Array  # [..., C, C] strictly lower k_i.(exp(G_i - G_j) k_j)
+  a_qk: jax.Array  # [..., C, C] lower (incl. diagonal) q_i.(exp(G_i - G_j) k_j)
+  G: jax.Array | None  # [..., C, K] run-restarting cumulative decay (segments)
+
+
+def _block_sums(tot, relation):
+  """sum of whole-block totals tot [..., NB, K] over blocks l with relation.
+
+  `relation(n, m, l)` is a boolean over block indices; the result is indexed
+  [..., n, m, K] (use m = n for one-index relations). Multiplying by a 0/1
+  mask and adding is exact, so these are true range sums.
+  """
+  nb = tot.shape[-2]
+  i = jnp.arange(nb)
+  mask = relation(i[:, None, None], i[None, :, None], i[None, None, :])
+  return jnp.einsum("nml,...lk->...nmk", mask.astype(tot.dtype), tot)
+
+
+def _intra_chunk(q, k, g, run, starts, segmented, bounded):
+  """Decays and masked score matrices for all chunks at once.
+
+  Cut each chunk into NB = C / 16 blocks. With incl[i] the sum of g over
+  [block start, i] and after[j] the sum over (j, block end], a pair j < i in
+  different blocks m < n factors exactly into three exponents, each <= 0:
+
+      G_i - G_j = incl[i] + (sum of the whole blocks between m and n) + after[j]
+
+  so the off-diagonal scores are one einsum of [C, K] factors. Inside a block,
+  when every |incl| <= 80 (always under a lower-bound gate: 16 * 5), the pair
+  factors as exp(incl[i]) exp(-incl[j]), both finite in float32; otherwise
+  (pre-activated or softplus decays that can be huge) a runtime branch uses
+  the exact masked exponent on [NB, 16, 16, K].
 
   Args:
     q, k, g: [..., C, K] (q scaled); g the log decay (<= 0).
-    run: [..., C] run index per token (only used when segmented).
-    starts: [..., C] bool, token starts a run (only used when segmented).
+    run: [..., C] run index per token (segmented only).
+    starts: [..., C] bool, token starts a run (segmented only).
     segmented: static; False means one run per chunk.
+    bounded: static; True when every g >= -5 (lower-bound gate).
 
   Returns:
-    G [..., C, K] cumulative log decay (restarting at run starts),
-    A_kk [..., C, C] strictly lower, A_qk [..., C, C] lower incl. diagonal,
+    ChunkDecays.
   """
   c, kd = k.shape[-2:]
   nb = c // SUB
-  if segmented:
-    first = jnp.arange(c) == 0
-    G = _segmented_cumsum(g, (starts | first)[..., None], axis=-2)
-    same = run[..., :, None] == run[..., None, :]
-  else:
-    G = jnp.cumsum(g, axis=-2)
-    same = None
+  batch = g.shape[:-2]
+  blocks = lambda x: x.reshape(batch + (nb, SUB, x.shape[-1]))
+  gb, qb, kb = blocks(g), blocks(q), blocks(k)
+  incl = jax.lax.cumsum(gb, axis=gb.ndim - 2)  # [..., NB, S, K]
+  after = _sum_after(gb, axis=-2)
+  tot = incl[..., -1, :]  # [..., NB, K]
 
-  idx = jnp.arange(c)
-  anchor = (idx // SUB) * SUB  # first row of each token's sub-block
-  batch = G.shape[:-2]
-  gb = g.reshape(batch + (nb, SUB, kd))
+  row = jnp.exp(incl)
+  qk_row = jnp.stack([qb, kb]) * row  # [2, ..., NB, S, K]: q and k rows
+  col = jnp.exp(after)
+  k_col = kb * col
+  between = _block_sums(tot, lambda n, m, l: (m < l) & (l < n))
+  lower_blocks = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]
+  mid = _exp_masked(between, lower_blocks[..., None])  # [..., NB, NB, K]
+  off = jnp.einsum("r...nsk,...nmk,...mtk->r...nsmt", qk_row, mid, k_col)
 
-  # Off-diagonal sub-blocks: exp(G_i - G_j) = exp(G_i - G_a) exp(G_a - G_j).
-  # Each exponent is summed over its own range of g (never a difference of
-  # two long cumulative sums, which loses ulp(G) of absolute precision).
-  row_sum = jnp.cumsum(gb.at[..., 0, :].set(0.0), axis=-2)  # (a, i]
-  row_ok = jnp.ones((c,), bool) if same is None else same[..., idx, anchor]
-  row_decay = _exp_masked(row_sum.reshape(g.shape), row_ok[..., None])
-  k_row, q_row = k * row_decay, q * row_decay
-  anchors = jnp.arange(nb) * SUB
-  col_ok = idx[None, :] < anchors[:, None]  # [NB, C]: j < a
-  # sum over (j, a] of g, for each anchor a: [..., NB, C, K]
-  upto_a = jnp.where((idx[None, :] <= anchors[:, None])[..., None],
-                     g[..., None, :, :], 0.0)
-  col_sum = _sum_after(upto_a, axis=-2)
-  if same is not None:
-    col_ok = col_ok & same[..., ::SUB, :]
-  col_decay = _exp_masked(col_sum, col_ok[..., None])
-  k_col = k[..., None, :, :] * col_decay
-  shape_rows = batch + (nb, SUB, kd)
-  a_kk = jnp.einsum("...nsk,...nck->...nsc", k_row.reshape(shape_rows), k_col)
-  a_qk = jnp.einsum("...nsk,...nck->...nsc", q_row.reshape(shape_rows), k_col)
-  a_kk = a_kk.reshape(batch + (c, c))
-  a_qk = a_qk.reshape(batch + (c, c))
-
-  # Diagonal sub-blocks: exact masked exponent on [NB, SUB, SUB, K].
-  kb = k.reshape(batch + (nb, SUB, kd))
-  qb = q.reshape(batch + (nb, SUB, kd))
   s = jnp.arange(SUB)
-  # pair_sum[s, t] = sum over (t, s] of g: cumsum over u of g_u 1[u > t].
-  after_t = jnp.where((s[None, :] > s[:, None])[..., None],
-                      gb[..., None, :, :], 0.0)  # [..., NB, t, u, K]
-  pair_sum = jnp.swapaxes(jnp.cumsum(after_t, axis=-2), -2, -3)
-  lower_incl = s[:, None] >= s[None, :]
-  if same is not None:
+  incl_mask = s[:, None] >= s[None, :]
+  strict_mask = s[:, None] > s[None, :]
+  if segmented:
+    same = run[..., :, None] == run[..., None, :]  # [..., C, C]
     same_b = jnp.stack(
         [same[..., i * SUB:(i + 1) * SUB, i * SUB:(i + 1) * SUB]
-         for i in range(nb)], axis=-3)  # [..., NB, SUB, SUB]
-    lower_incl = lower_incl & same_b
-  diag_decay = _exp_masked(pair_sum, lower_incl[..., None])  # [.., NB, S, S, K]
-  d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, diag_decay)
-  d_kk = jnp.einsum("...sk,...tk,...stk->...st", kb, kb, diag_decay)
-  d_kk = d_kk * (s[:, None] > s[None, :])
-  a_qk = a_qk + _block_diag(d_qk, nb, c)
-  a_kk = a_kk + _block_diag(d_kk, nb, c)
-  return G, a_kk, a_qk
+         for i in range(nb)], axis=-3)  # [..., NB, S, S]
+    incl_mask, strict_mask = incl_mask & same_b, strict_mask & same_b
+
+  def factored(_):
+    k_inv = kb * jnp.exp(-incl)  # <= exp(80)
+    d_qk, d_kk = jnp.einsum("r...nsk,...ntk->r...nst", qk_row, k_inv)
+    return jnp.where(incl_mask, d_qk, 0.0), jnp.where(strict_mask, d_kk, 0.0)
+
+  def exact(_):
+    # pair[s, t] = sum over (t, s] of g: cumsum over u of g_u 1[u > t].
+    after_t = jnp.where((s[None, :] > s[:, None])[..., None],
+                        gb[..., None, :, :], 0.0)  # [..., NB, t, u, K]
+    pair = jnp.swapaxes(jax.lax.cumsum(after_t, axis=after_t.ndim - 2),
+                        -2, -3)
+    decay = _exp_masked(pair, incl_mask[..., None])  # [..., NB, S, S, K]
+    d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, decay)
+    d_kk = jnp.einsum("...sk,...tk,...stk->...st", kb, kb, decay)
+    return d_qk, jnp.where(strict_mask, d_kk, 0.0)
+
+  if bounded:
+    d_qk, d_kk = factored(None)
+  else:
+    d_qk, d_kk = jax.lax.cond(jnp.min(incl) >= -_FACTOR_LIMIT, factored,
+                              exact, None)
+  eye = jnp.eye(nb, dtype=g.dtype)
+  diag = jnp.einsum("r...nst,nm->r...nsmt", jnp.stack([d_qk, d_kk]), eye)
+  a_qk, a_kk = (off + diag).reshape((2,) + batch + (c, c))
+
+  suffix = _block_sums(tot, lambda n, m, l: l > n)[..., 0, :]  # [..., NB, K]
+  to_end = col * jnp.exp(suffix)[..., None, :]
+  if segmented:
+    a_qk = jnp.where(same, a_qk, 0.0)
+    a_kk = jnp.where(same, a_kk, 0.0)
+    G = _segmented_cumsum(g, (starts | (jnp.arange(c) == 0))[..., None],
+                          axis=-2)
+    read = jnp.exp(G)
+    total = read[..., -1, :]
+    in_last = (run == run[..., -1:])[..., None]
+    to_end = jnp.where(in_last, to_end.reshape(g.shape), 0.0)
+  else:
+    G = None
+    prefix = _block_sums(tot, lambda n, m, l: l < n)[..., 0, :]
+    read = (row * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
+    total = jnp.exp(jnp.sum(tot, axis=-2))
+    to_end = to_end.reshape(g.shape)
+  return ChunkDecays(read=read, to_end=to_end, total=total, a_kk=a_kk,
+                     a_qk=a_qk, G=G)
 
 
-def _block_diag(blocks, nb, c):
-  """[..., NB, S, S] -> [..., C, C] with the blocks on the diagonal."""
-  batch = blocks.shape[:-3]
-  eye = jnp.eye(nb, dtype=blocks.dtype)
-  full = jnp.einsum("...nst,nm->...nsmt", blocks, eye)
-  return full.reshape(batch + (c, c))
+def _unit_lower_solve(a, rhs):
+  """Solves (I + a) x = rhs for strictly lower a [..., C, C], rhs [..., C, M].
+
+  Blocked forward substitution: the 16 x 16 diagonal blocks are inverted row
+  by row (16 small steps batched over every block), then the four block rows
+  are solved in order with matmuls. XLA's batched triangular_solve on CPU is
+  far slower for many small systems.
+  """
+  c = a.shape[-1]
+  nb = c // SUB
+  batch = a.shape[:-2]
+  blk = a.reshape(batch + (nb, SUB, nb, SUB))
+  diag = jnp.stack([blk[..., i, :, i, :] for i in range(nb)], axis=-3)
+  # inv = (I + L)^-1 for each diagonal block L: row i = e_i - L[i, :i] inv[:i]
+  eye = jnp.eye(SUB, dtype=a.dtype)
+  rows = []
+  for i in range(SUB):
+    r = eye[i]
+    if i:
+      prev = jnp.stack(rows, axis=-2)  # [..., NB, i, S]
+      r = r - jnp.einsum("...j,...js->...s", diag[..., i, :i], prev)
+    rows.append(jnp.broadcast_to(r, diag.shape[:-2] + (SUB,)))
+  inv = jnp.stack(rows, axis=-2)  # [..., NB, S, S]
+  rb = rhs.reshape(batch + (nb, SUB, rhs.shape[-1]))
+  xs = []
+  for i in range(nb):
+    r = rb[..., i, :, :]
+    for j in range(i):
+      r = r - blk[..., i, :, j, :] @ xs[j]
+    xs.append(inv[..., i, :, :] @ r)
+  return jnp.concatenate(xs, axis=-2)
 
 
 def kda_chunked(
@@ -183,13 +261,14 @@ def kda_chunked(
       cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
       segmented=cn.has_segments,
       init_given=initial_state is not None and cn.has_segments,
-      output_final_state=output_final_state)
+      output_final_state=output_final_state,
+      bounded=use_gate_in_kernel and lower_bound is not None)
   return common.finish(o, final, dtype=q.dtype, has_segments=cn.has_segments,
                        output_final_state=output_final_state)
 
 
 def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
-                  init_given, output_final_state):
+                  init_given, output_final_state, bounded):
   """Canonical float32 inputs -> (o [B,T,H,V] f32, finals [B,N,H,K,V])."""
   b, t, h, kd = q.shape
   vd = v.shape[-1]
@@ -224,27 +303,21 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
   else:
     run_c = start_c = None
 
-  G, a_kk, a_qk = _intra_chunk(qc, kc, gc, run_c, start_c, segmented)
-  a_kk = a_kk * bc[..., :, None]
+  dec = _intra_chunk(qc, kc, gc, run_c, start_c, segmented, bounded)
+  a_qk = dec.a_qk
 
   # UT transform: (I + A) [W | U] = Diag(beta) [exp(G) K | V].
-  eg = jnp.exp(G)
-  rhs = jnp.concatenate([eg * kc, vc], axis=-1) * bc[..., None]
-  wu = jax.lax.linalg.triangular_solve(
-      a_kk, rhs, left_side=True, lower=True, unit_diagonal=True)
+  rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
+  wu = _unit_lower_solve(dec.a_kk * bc[..., :, None], rhs)
   w, u = wu[..., :kd], wu[..., kd:]
-  q_dec = qc * eg  # reads the chunk-start state
+  q_dec = qc * dec.read  # reads the chunk-start state
 
   # Decay from each token to the chunk end, within the chunk's last run.
-  G_last = G[..., -1:, :]
-  if segmented:
-    in_last = (run_c == run_c[..., -1:])[..., None]
-  else:
-    in_last = jnp.ones((1,), bool)
-  k_end = kc * _exp_masked(_sum_after(gc, axis=-2), in_last)
-  trans = (jnp.eye(kd) * jnp.exp(G_last[..., 0, :])[..., None, :]
-           - jnp.einsum("...ck,...cj->...kj", k_end, w))  # [B,NC,H,K,K]
-  bias = jnp.einsum("...ck,...cv->...kv", k_end, u)  # [B,NC,H,K,V]
+  k_end = kc * dec.to_end
+  # X_next = trans X + bias: trans [B,NC,H,K,K], bias [B,NC,H,K,V]
+  k_end_wu = jnp.einsum("...ck,...cj->...kj", k_end, wu)
+  trans = jnp.eye(kd) * dec.total[..., None, :] - k_end_wu[..., :kd]
+  bias = k_end_wu[..., kd:]
 
   if segmented:
     # Initial states of segments whose runs start inside a chunk.
@@ -277,8 +350,8 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
   last_state, carried = jax.lax.scan(step, carry0, xs)
   carried = jnp.moveaxis(carried, 0, 1)  # [B, NC, H, K, V]
 
-  w_x = jnp.einsum("bnhck,bnhkv->bnhcv", w, carried)
-  q_x = jnp.einsum("bnhck,bnhkv->bnhcv", q_dec, carried)
+  w_x, q_x = jnp.einsum("rbnhck,bnhkv->rbnhcv", jnp.stack([w, q_dec]),
+                        carried)
   if segmented:
     cont_f = cont[..., None].astype(jnp.float32)
     w_x, q_x = w_x * cont_f, q_x * cont_f
@@ -300,7 +373,7 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
   if output_final_state:
     if segmented:
       finals = _segment_finals(
-          init, init0, run_index, run_seg, carried, G, gc, kc, v_new, cont,
+          init, init0, run_index, run_seg, carried, dec.G, gc, kc, v_new, cont,
           run_c, init_given, n_seg)
     else:
       finals = last_state[:, None]
