@@ -25,13 +25,16 @@ a zeroed cache in that row. The returned cache keeps only inputs of the last
 run (everything else zeroed; an all-padding piece passes the cache through),
 so it is valid for the next piece.
 
-Context parallelism (a `context_axis=None` keyword exchanging a W - 1 halo
-between ranks) is left for later: it would fill `prefix` in `short_conv1d`
-from the previous rank instead of from `cache`.
+Context parallelism: with `context_axis`, inside `jax.shard_map` with T
+split over that mesh axis, each rank gets the W - 1 inputs before its slice
+(and their ids) from the preceding ranks, as many as needed
+(`linear_attention.parallel.conv_cp`).
 """
 
 import jax
 import jax.numpy as jnp
+
+from linear_attention.parallel import conv_cp
 
 ACTIVATIONS = ("silu", None)
 
@@ -95,6 +98,7 @@ def short_conv1d(
     cache: jax.Array | None = None,
     activation: str | None = "silu",
     bias: jax.Array | None = None,
+    context_axis: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Causal depthwise convolution over time (see the module docstring).
 
@@ -106,6 +110,9 @@ def short_conv1d(
     cache: [B, W - 1, C] the W - 1 inputs before x (decode / continuation).
     activation: "silu" or None.
     bias: [C] added before the activation.
+    context_axis: None, or the mesh axis T is split over when called inside
+      `jax.shard_map` (contiguous slices in rank order; segment_ids is this
+      rank's slice of the global ids); not combinable with `cache`.
 
   Returns:
     Without `cache`: y [B, T, C] in x.dtype. With `cache`: (y, new_cache),
@@ -116,6 +123,14 @@ def short_conv1d(
     ValueError: a bad shape, dtype or activation (the message names it).
   """
   _validate(x, w, segment_ids, cache, activation, bias)
+  if context_axis is not None:
+    if cache is not None:
+      raise NotImplementedError(
+          "short_conv1d with context_axis does not take a decode cache; the"
+          " sequence start lives on rank 0. Pass cache=None.")
+    return conv_cp.short_conv1d_context_parallel(
+        x, w, context_axis=context_axis, segment_ids=segment_ids,
+        activation=activation, bias=bias)
   b, t, c = x.shape
   width = w.shape[0]
   ids = (jnp.ones((b, t), jnp.int32) if segment_ids is None
