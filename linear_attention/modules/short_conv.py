@@ -46,9 +46,13 @@ class ShortConvolution(hk.Module):
 
   def __call__(
       self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-      cache: jax.Array | None = None,
+      cache: jax.Array | None = None, context_axis: str | None = None,
   ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """[B, T, C] -> y [B, T, C]; with `cache` [B, W-1, C]: (y, new_cache)."""
+    """[B, T, C] -> y [B, T, C]; with `cache` [B, W-1, C]: (y, new_cache).
+
+    `context_axis`: the mesh axis T is split over inside `jax.shard_map`
+    (see `ops.short_conv1d`), or None.
+    """
     c = x.shape[-1]
     bound = self.kernel_size ** -0.5
     w = hk.get_parameter("w", (self.kernel_size, c), jnp.float32,
@@ -57,4 +61,4 @@ class ShortConvolution(hk.Module):
             if self.use_bias else None)
     return short_conv_op.short_conv1d(
         x, w, segment_ids=segment_ids, cache=cache,
-        activation=self.activation, bias=bias)
+        activation=self.activation, bias=bias, context_axis=context_axis)

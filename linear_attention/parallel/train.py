@@ -1,0 +1,70 @@
+"""Data + context parallel losses over a jax.sharding.Mesh.
+
+`shard_loss_fn` turns a per-shard loss into the global one: the batch is
+split over `data_axis` (dim 0) and the sequence over `context_axis` (dim 1),
+the parameters are replicated, and the shard sums are combined with one psum
+over both axes. Layers inside `loss_fn` that mix tokens must be told the
+context axis (`KimiDeltaAttention(context_axis=...)`, `ops.short_conv1d(...,
+context_axis=...)`); per-token layers need nothing. Take gradients of the
+returned function (outside the shard_map): they are the single-device ones.
+
+Targets must be aligned with their positions before sharding (e.g. next-token
+labels shifted on the full sequence), so no token crosses a rank for them.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from linear_attention.parallel import kda_cp
+
+
+def shard_loss_fn(
+    loss_fn: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
+    mesh: jax.sharding.Mesh,
+    data_axis: str | None = "data",
+    context_axis: str | None = "context",
+    *,
+    sequence_layout: str = "contiguous",
+) -> Callable[[Any, Any], jax.Array]:
+  """Wraps a shard loss as the global mean loss over a data x context mesh.
+
+  Args:
+    loss_fn: `(params, batch) -> (loss_sum, weight_sum)` on one shard, where
+      every leaf of `batch` is this rank's [B_local, T_local, ...] block and
+      loss_sum is the sum of the per-token losses (weight_sum their count or
+      total weight).
+    mesh: the mesh; must have the named axes.
+    data_axis: mesh axis the batch (dim 0) is split over, or None.
+    context_axis: mesh axis the sequence (dim 1) is split over, or None.
+    sequence_layout: "contiguous" only (see `kda_cp.check_sequence_layout`).
+
+  Returns:
+    `f(params, batch) -> psum(loss_sum) / psum(weight_sum)`, a replicated
+    scalar; `jax.grad(f)` gives the single-device gradients.
+
+  Raises:
+    ValueError: an axis that is not a str naming an axis of `mesh`.
+  """
+  kda_cp.check_sequence_layout(sequence_layout)
+  for name, axis in (("data_axis", data_axis),
+                     ("context_axis", context_axis)):
+    if axis is not None and (not isinstance(axis, str)
+                             or axis not in mesh.axis_names):
+      raise ValueError(f"{name} must be None or one of the mesh's axes"
+                       f" {mesh.axis_names}; got {axis!r}.")
+  axes = tuple(a for a in (data_axis, context_axis) if a is not None)
+
+  def local(params, batch):
+    loss_sum, weight_sum = loss_fn(params, batch)
+    return jax.lax.psum(loss_sum, axes) / jax.lax.psum(weight_sum, axes)
+
+  # check_vma=False: the XLA KDA backends start their scans from fresh
+  # zeros, which vma checking rejects (see `kda_cp`); the gradients taken
+  # outside the shard_map are exact either way.
+  sharded = jax.shard_map(
+      local, mesh=mesh, in_specs=(P(), P(data_axis, context_axis)),
+      out_specs=P(), check_vma=False)
+  return sharded
