@@ -20,6 +20,8 @@ Choices written down here:
 * Projections are bias-free, weights N(0, 0.02) (`hk.initializers.
   RandomNormal`, not truncated). The output gate has no bias (the paper's
   equation and HF Kimi; fla adds one on the up projection).
+* Short-conv taps U(-1/sqrt(W), 1/sqrt(W)) (PyTorch's Conv1d default, kept
+  by fla), no conv bias; see `ShortConvolution`.
 * a_log [H] = log U(1, 16) for the softplus gate, zeros with `lower_bound`;
   dt = exp(U(log 1e-3, log 1e-1)) clamped >= 1e-4, dt_bias = dt +
   log(-expm1(-dt)) (the inverse softplus of dt).

@@ -205,7 +205,8 @@ class KimiDeltaAttentionTest(chex.TestCase):
     _assert_tree_close(g_c[0], g_r[0], F32_RTOL, "dparams")
 
   def test_mosaic_matches_reference(self):
-    # Measured: relative L2 7e-8 (y), 1e-7 (dx), <= 3e-7 (dparams).
+    # Measured relative L2 vs reference: mosaic 2.9e-7 (y), 3.7e-7 (dx),
+    # <= 1.5e-6 (dparams); chunked on the same case 2.5e-7, 3.5e-7, 5.4e-7.
     x = _x(1, 64)  # the kernel needs T % 64 == 0 without segments
     f_ref = _transform(backend="reference")
     params = _params(f_ref, x)
