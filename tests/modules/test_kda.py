@@ -177,6 +177,9 @@ class KimiDeltaAttentionTest(chex.TestCase):
 
   def _check_against_tokamax_composition(self, wrap, lower_bound, decay,
                                          segmented=False):
+    # Measured relative L2 (y, dx, max over dparams): -5/channel 2.0e-7,
+    # 3.0e-7, 4.1e-7; softplus/channel/segments 1.4e-7, 2.2e-7, 2.8e-7;
+    # -2/head 2.0e-7, 3.0e-7, 8.7e-7.
     f = _transform(lower_bound=lower_bound, decay=decay, backend="reference")
     x = _x(2, 19)
     seg = np.array([[1] * 7 + [2] * 10 + [0] * 2, [0] * 2 + [1] * 17],
