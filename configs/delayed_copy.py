@@ -1,0 +1,59 @@
+r"""Delayed copy (copying memory): 10 symbols of 8, a delay of 64 blanks.
+
+After the delimiter the model predicts the 10 symbols (teacher-forced, see
+experiments/tasks/delayed_copy.py); only those positions are scored.
+
+Single run (2-core CPU, chunked KDA backend):
+
+  python run_experiment.py --config=configs/delayed_copy.py \
+      --workdir=workdirs/copy_kda
+
+should reach >= 99% held-out token accuracy (chance 1/8 = 12.5%) within the
+default steps; `--config.model.mixer=kda_zeroed` stays at chance.
+
+Variants: `configs/delayed_copy.py:long` (delay 256, T=276; reported
+whatever it reaches), `configs/delayed_copy.py:smoke` (tiny, seconds).
+"""
+
+import ml_collections
+
+from experiments import config_lib
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The delayed-copy config; `arg` is None / "" (default), "long", "smoke"."""
+  arg = arg or ""
+  if arg not in ("", "long", "smoke"):
+    raise ValueError("configs/delayed_copy.py variant must be '', 'long' or"
+                     f" 'smoke'; got {arg!r}.")
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.task = dict(
+      name="delayed_copy",
+      num_symbols=10,
+      alphabet_size=8,
+      delay=64,
+      random_delay=False,
+      min_delay=0,
+      teacher_forcing=True,
+  )
+  config.model = config_lib.model_config(mixer="kda", num_layers=2,
+                                         d_model=128, mlp_hidden=256,
+                                         num_heads=2, head_dim=32)
+  config.train = config_lib.train_config(
+      num_steps=300, batch_size=64, learning_rate=3e-3, warmup_steps=20,
+      eval_every=10, eval_batches=2, checkpoint_every=50,
+      stop_at_accuracy=0.99)
+  if arg == "long":
+    config.task.delay = 256
+  if arg == "smoke":
+    config.task.num_symbols = 4
+    config.task.delay = 8
+    config.model = config_lib.model_config(mixer="kda", num_layers=1,
+                                           d_model=32, mlp_hidden=32,
+                                           num_heads=2, head_dim=16)
+    config.train = config_lib.train_config(
+        num_steps=6, batch_size=4, warmup_steps=1, log_every=1, eval_every=2,
+        eval_batches=1, eval_batch_size=4, checkpoint_every=2)
+  config.lock()
+  return config
