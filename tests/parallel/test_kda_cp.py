@@ -102,17 +102,19 @@ def assert_same(actual, expected, rtol=1e-5):
 
 class ContextParallelKdaTest(parameterized.TestCase):
 
+  # The state passing is backend-agnostic (the op is its per-rank engine):
+  # most cases use "reference", the cheapest to compile; "chunked" runs the
+  # 8-rank case (all-padding shards) here and 2 and 4 ranks in the oracle test.
   @parameterized.named_parameters(
-      ("chunked_cp2_lower_bound", "chunked", 2, "lower_bound", True, True),
-      ("chunked_cp4_lower_bound", "chunked", 4, "lower_bound", True, True),
-      ("chunked_cp8_softplus", "chunked", 8, "softplus", True, True),
-      ("reference_cp4_softplus", "reference", 4, "softplus", True, True),
-      ("reference_cp8_lower_bound", "reference", 8, "lower_bound", True,
+      ("reference_cp2_lower_bound", "reference", 2, "lower_bound", True,
        True),
-      ("chunked_cp8_stateless", "chunked", 8, "lower_bound", True, False),
-      ("chunked_cp4_no_segments", "chunked", 4, "preactivated", False, True),
-      ("reference_cp2_no_segments_stateless", "reference", 2, "softplus",
-       False, False),
+      ("reference_cp4_no_segments", "reference", 4, "preactivated", False,
+       True),
+      ("reference_cp8_softplus", "reference", 8, "softplus", True, True),
+      # The layer's call: no states in or out (ids relabelled by run parity).
+      ("reference_cp8_stateless", "reference", 8, "lower_bound", True,
+       False),
+      ("chunked_cp8_softplus", "chunked", 8, "softplus", True, True),
   )
   def test_matches_single_device(self, backend, num_ranks, gate, segments,
                                  stateful):
@@ -122,6 +124,7 @@ class ContextParallelKdaTest(parameterized.TestCase):
     assert_same(actual, expected)
 
   @parameterized.named_parameters(
+      ("chunked_cp2", "chunked", 2, "softplus"),
       ("chunked_cp4", "chunked", 4, "lower_bound"),
       ("reference_cp8", "reference", 8, "softplus"),
   )
