@@ -269,3 +269,16 @@ class ValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "initial_state"):
       self.call(segment_ids=seg, max_num_segments=2,
                 initial_state=jnp.zeros((2, 2, 16, 24)))
+
+
+class SegmentsWithoutStatesTest(parameterized.TestCase):
+
+  @parameterized.parameters("reference", "chunked")
+  def test_segments_without_max_num_segments(self, backend):
+    # No states in or out: max_num_segments is not needed.
+    args, kw = make_inputs(Case(t=100, segments=True, init=False))
+    kw = dict(kw, max_num_segments=None)
+    o, state = ops.kimi_delta_attention(**args, backend=backend, **kw)
+    self.assertIsNone(state)
+    o_np, _ = kda_numpy(**args, **kw)
+    testing.assert_close(o, o_np, rtol=1e-5, name="output")

@@ -96,7 +96,7 @@ class ChunkDecays(NamedTuple):
   read: jax.Array  # [..., C, K] exp(G_i): token i reads the chunk-start state
   to_end: jax.Array  # [..., C, K] exp(G_last - G_j), within the last run
   total: jax.Array  # [..., K] exp(G_last)
-  a_kk: jax.Array  # [..., C, C] strictly lower k_i.(exp(G_i - G_j) k_j)
+  a_kk: jax.Array  # [..., NB, NB, S, S] strictly lower k_i.(exp(G_i - G_j) k_j)
   a_qk: jax.Array  # [..., C, C] lower (incl. diagonal) q_i.(exp(G_i - G_j) k_j)
   G: jax.Array | None  # [..., C, K] run-restarting cumulative decay (segments)
 
@@ -149,13 +149,14 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded):
   tot = incl[..., -1, :]  # [..., NB, K]
 
   row = jnp.exp(incl)
-  qk_row = jnp.stack([qb, kb]) * row  # [2, ..., NB, S, K]: q and k rows
+  q_row, k_row = qb * row, kb * row
   col = jnp.exp(after)
   k_col = kb * col
   between = _block_sums(tot, lambda n, m, l: (m < l) & (l < n))
   lower_blocks = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]
   mid = _exp_masked(between, lower_blocks[..., None])  # [..., NB, NB, K]
-  off = jnp.einsum("r...nsk,...nmk,...mtk->r...nsmt", qk_row, mid, k_col)
+  off = lambda rows: jnp.einsum("...nsk,...nmk,...mtk->...nmst", rows, mid,
+                                k_col)
 
   s = jnp.arange(SUB)
   incl_mask = s[:, None] >= s[None, :]
@@ -169,7 +170,8 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded):
 
   def factored(_):
     k_inv = kb * jnp.exp(-incl)  # <= exp(80)
-    d_qk, d_kk = jnp.einsum("r...nsk,...ntk->r...nst", qk_row, k_inv)
+    d_qk = jnp.einsum("...nsk,...ntk->...nst", q_row, k_inv)
+    d_kk = jnp.einsum("...nsk,...ntk->...nst", k_row, k_inv)
     return jnp.where(incl_mask, d_qk, 0.0), jnp.where(strict_mask, d_kk, 0.0)
 
   def exact(_):
@@ -188,15 +190,20 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded):
   else:
     d_qk, d_kk = jax.lax.cond(jnp.min(incl) >= -_FACTOR_LIMIT, factored,
                               exact, None)
-  eye = jnp.eye(nb, dtype=g.dtype)
-  diag = jnp.einsum("r...nst,nm->r...nsmt", jnp.stack([d_qk, d_kk]), eye)
-  a_qk, a_kk = (off + diag).reshape((2,) + batch + (c, c))
+  on_diag = jnp.eye(nb, dtype=bool)[:, :, None, None]
+  with_diag = lambda o, d: jnp.where(on_diag, d[..., :, None, :, :], o)
+  # [..., NB, NB, S, S] blocks (n, m): rows of block n, columns of block m
+  a_qk = with_diag(off(q_row), d_qk)
+  a_kk = with_diag(off(k_row), d_kk)
+  a_qk = jnp.swapaxes(a_qk, -2, -3).reshape(batch + (c, c))
 
   suffix = _block_sums(tot, lambda n, m, l: l > n)[..., 0, :]  # [..., NB, K]
   to_end = col * jnp.exp(suffix)[..., None, :]
   if segmented:
     a_qk = jnp.where(same, a_qk, 0.0)
-    a_kk = jnp.where(same, a_kk, 0.0)
+    same_blocks = jnp.swapaxes(same.reshape(same.shape[:-2] + (nb, SUB, nb, SUB)),
+                               -2, -3)
+    a_kk = jnp.where(same_blocks, a_kk, 0.0)
     G = _segmented_cumsum(g, (starts | (jnp.arange(c) == 0))[..., None],
                           axis=-2)
     read = jnp.exp(G)
@@ -213,21 +220,23 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded):
                      a_qk=a_qk, G=G)
 
 
-def _unit_lower_solve(a, rhs):
-  """Solves (I + a) x = rhs for strictly lower a [..., C, C], rhs [..., C, M].
+def _unit_lower_solve(blk, rhs):
+  """Solves (I + A) x = rhs, A strictly lower, given as blocks.
 
-  Blocked forward substitution: the 16 x 16 diagonal blocks are inverted row
-  by row (16 small steps batched over every block), then the four block rows
-  are solved in order with matmuls. XLA's batched triangular_solve on CPU is
-  far slower for many small systems.
+  Args:
+    blk: [..., NB, NB, S, S], blk[n, m] = A[n-th row block, m-th col block].
+    rhs: [..., C, M].
+
+  Blocked forward substitution: the S x S diagonal blocks are inverted row by
+  row (S small steps batched over every block), then the block rows are
+  solved in order with matmuls. (XLA's batched triangular_solve on CPU is far
+  slower for many small systems.)
   """
-  c = a.shape[-1]
-  nb = c // SUB
-  batch = a.shape[:-2]
-  blk = a.reshape(batch + (nb, SUB, nb, SUB))
-  diag = jnp.stack([blk[..., i, :, i, :] for i in range(nb)], axis=-3)
+  nb = blk.shape[-3]
+  batch = blk.shape[:-4]
+  diag = jnp.stack([blk[..., i, i, :, :] for i in range(nb)], axis=-3)
   # inv = (I + L)^-1 for each diagonal block L: row i = e_i - L[i, :i] inv[:i]
-  eye = jnp.eye(SUB, dtype=a.dtype)
+  eye = jnp.eye(SUB, dtype=blk.dtype)
   rows = []
   for i in range(SUB):
     r = eye[i]
@@ -240,8 +249,11 @@ def _unit_lower_solve(a, rhs):
   xs = []
   for i in range(nb):
     r = rb[..., i, :, :]
-    for j in range(i):
-      r = r - blk[..., i, :, j, :] @ xs[j]
+    if i:
+      done = jnp.concatenate(xs, axis=-2)  # [..., i * S, M]
+      left = jnp.swapaxes(blk[..., i, :i, :, :], -2, -3).reshape(
+          batch + (SUB, i * SUB))
+      r = r - left @ done
     xs.append(inv[..., i, :, :] @ r)
   return jnp.concatenate(xs, axis=-2)
 
@@ -308,7 +320,8 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
 
   # UT transform: (I + A) [W | U] = Diag(beta) [exp(G) K | V].
   rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
-  wu = _unit_lower_solve(dec.a_kk * bc[..., :, None], rhs)
+  beta_rows = bc.reshape(bc.shape[:-1] + (c // SUB, 1, SUB, 1))
+  wu = _unit_lower_solve(dec.a_kk * beta_rows, rhs)
   w, u = wu[..., :kd], wu[..., kd:]
   q_dec = qc * dec.read  # reads the chunk-start state
 

@@ -52,7 +52,8 @@ def prepare(
   g = g.astype(jnp.float32)
   has_segments = segment_ids is not None
   if has_segments:
-    n = max_num_segments
+    # Without states, every segment starts from zero: one slot serves all.
+    n = max_num_segments if max_num_segments is not None else 1
     segment_ids = segment_ids.astype(jnp.int32)
   else:
     n = 1

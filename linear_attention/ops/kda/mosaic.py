@@ -102,7 +102,11 @@ def kda_mosaic(
       use_gate_in_kernel=use_gate_in_kernel,
       segment_ids=None if segment_ids is None else segment_ids.astype(
           jnp.int32),
-      lower_bound=lower_bound, max_num_segments=max_num_segments,
+      lower_bound=lower_bound,
+      # tokamax sizes its segment tables by max_num_segments even without
+      # states; T bounds the number of runs in a row.
+      max_num_segments=(max_num_segments if max_num_segments is not None
+                        or segment_ids is None else q.shape[1]),
       implementation="mosaic")
   o = jnp.moveaxis(o, 0, 2).astype(dtype)
   if not output_final_state:
