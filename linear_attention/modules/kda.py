@@ -146,6 +146,9 @@ class KimiDeltaAttention(hk.Module):
   conv_size: int = 4  # W taps of the short conv; 0 = no conv, SiLU only.
   lower_bound: float | None = None  # None: softplus gate; else in [-5, 0).
   backend: str = "chunked"  # KDA core: "reference" | "chunked" | "mosaic".
+  # Mesh axis T is split over when called inside jax.shard_map (context
+  # parallelism; passed to the short convs and the op), or None.
+  context_axis: str | None = None
   decay: str = "channel"  # "channel" (KDA) or "head" (Gated DeltaNet).
   use_output_gate: bool = True  # sigmoid low-rank gate on the output.
   use_qkv_lora: bool = False  # not implemented; True raises ValueError.
@@ -183,7 +186,8 @@ class KimiDeltaAttention(hk.Module):
       return y if tail is None else (y, tail)
     conv = short_conv.ShortConvolution(self.conv_size, activation="silu",
                                        name=name)
-    return conv(x, segment_ids=segment_ids, cache=tail)
+    return conv(x, segment_ids=segment_ids, cache=tail,
+                context_axis=self.context_axis)
 
   def _check_cache(self, cache, batch):
     want = self.init_cache(batch)
@@ -280,7 +284,8 @@ class KimiDeltaAttention(hk.Module):
         lower_bound=self.lower_bound, use_gate_in_kernel=True,
         use_qk_l2norm=True, initial_state=initial_state,
         output_final_state=cached, segment_ids=segment_ids,
-        max_num_segments=max_num_segments, backend=backend)
+        max_num_segments=max_num_segments, backend=backend,
+        context_axis=self.context_axis)
     chex.assert_shape(o, (b, t, h, vd))
 
     o = norms.RMSNorm(name="o_norm")(o).reshape(b, t, h * vd)
