@@ -17,13 +17,18 @@ batched over every chunk at once; only the affine maps are scanned (one K x K
 by K x V matmul per chunk), and the outputs are then computed for all chunks
 in one batched pass from the chunk-start states.
 
-Numerics. Every exponent used is <= 0, so nothing overflows at any decay (a
-chunk of 64 tokens at lower_bound=-5 spans -320; pre-activated decays may go
-to -1000 and below). exp(G_i - G_j) is never split as exp(G_i) exp(-G_j).
-The chunk is cut into 16-token sub-blocks; for a row block starting at a, all
-earlier columns j < a factor exactly as exp(G_i - G_a) * exp(G_a - G_j), both
-factors <= 1, so those entries are one matmul; the 16 x 16 diagonal blocks use
-the exact masked exponent. Accumulation is float32 throughout.
+Numerics. Nothing overflows at any decay (a chunk of 64 tokens at
+lower_bound=-5 spans -320; pre-activated decays may go to -1000 and below):
+exp(G_i - G_j) is never split as exp(G_i) exp(-G_j) over a chunk, and every
+exponent is a sum of g over its own range (never a difference of two long
+cumulative sums, which would lose ulp(G) of absolute precision). The chunk is
+cut into 16-token blocks. A pair in different blocks factors exactly into
+three exponents, each <= 0: within the row's block, the whole blocks between,
+and within the column's block, so the off-diagonal scores are einsums of
+[C, K] factors. Inside a block the pair factors as exp(incl_i) exp(-incl_j)
+when |incl| <= 80 (always under a lower-bound gate, 16 * 5); otherwise a
+runtime branch uses the exact masked exponent on [16, 16, K]. Accumulation is
+float32 throughout. Measured against a float64 recurrence: ~2e-7 relative L2.
 
 Packed segments (see `common`): a run of a segment may start anywhere inside a
 chunk. Cumulative decays restart at each run start, A and A_qk are masked to
