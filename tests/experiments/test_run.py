@@ -1,0 +1,158 @@
+"""End to end: smoke runs of every mixer, checkpoint/resume, CLIs, ablation.
+
+The smoke configs train a tiny model for a few steps; the point is the
+plumbing (files, resume, flags, backends), not accuracy.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import delayed_copy
+from configs import mqar
+from experiments import ablate
+from experiments import config_lib
+from experiments import model as model_lib
+from experiments import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+SUMMARY_KEYS = {"task", "mixer", "backend", "seed", "steps",
+                "final_eval_accuracy", "best_eval_accuracy", "chance_accuracy",
+                "wall_seconds", "steps_per_second"}
+SCORES = ("loss", "accuracy")  # deterministic fields of a metrics record
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _scores(workdir):
+  return [(r["step"], r["split"], *(r[k] for k in SCORES))
+          for r in _records(workdir)]
+
+
+def _smoke(mixer, get_config=mqar.get_config):
+  return config_lib.apply_diff(get_config("smoke"), {"model.mixer": mixer})
+
+
+@pytest.mark.parametrize("mixer", model_lib.MIXERS)
+def test_smoke_run_writes_the_workdir_and_resumes_when_done(mixer, tmp_path):
+  config = _smoke(mixer)
+  workdir = str(tmp_path / mixer)
+  summary = train.train_and_evaluate(config, workdir)
+  assert SUMMARY_KEYS <= set(summary)
+  n = config.train.num_steps
+  assert summary["steps"] == n and summary["mixer"] == mixer
+  assert summary["backend"] == ("chunked" if mixer in train.KDA_MIXERS
+                                else None)
+  assert summary["chance_accuracy"] == pytest.approx(1 / 16)
+  for name in ("config.json", "metrics.jsonl", "summary.json",
+               "accuracy.png"):
+    assert os.path.isfile(os.path.join(workdir, name)), name
+  assert any(f.startswith("events") for f in os.listdir(
+      os.path.join(workdir, "tb")))
+  assert str(n) in os.listdir(os.path.join(workdir, "checkpoints"))
+  with open(os.path.join(workdir, "accuracy.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  records = _records(workdir)
+  evals = [r for r in records if r["split"] == "eval"]
+  trains = [r for r in records if r["split"] == "train"]
+  assert [r["step"] for r in evals] == list(
+      range(0, n + 1, config.train.eval_every))
+  assert [r["step"] for r in trains] == list(range(1, n + 1))
+  for r in trains:
+    assert r["steps_per_second"] > 0 and r["tokens_per_second"] > 0
+  assert summary["final_eval_accuracy"] == evals[-1]["accuracy"]
+  assert summary["best_eval_accuracy"] == max(r["accuracy"] for r in evals)
+  # A finished workdir is not retrained: the same summary comes back.
+  again = train.train_and_evaluate(config, workdir)
+  assert again == json.loads(json.dumps(summary))
+  assert _records(workdir) == records
+
+
+def test_killed_run_resumes_to_the_same_metrics(tmp_path):
+  config = _smoke("kda")
+  n, every = config.train.num_steps, config.train.checkpoint_every
+  stop = n - 1  # not a checkpoint step: the run loses the steps after it
+  assert stop % every and stop > every
+  train.train_and_evaluate(config, str(tmp_path / "straight"))
+  killed = str(tmp_path / "killed")
+  train.train_and_evaluate(config, killed, stop_at_step=stop)
+  assert not os.path.exists(os.path.join(killed, "summary.json"))
+  assert max(r["step"] for r in _records(killed)) == stop
+  summary = train.train_and_evaluate(config, killed)
+  assert summary["steps_trained_this_run"] == n - (stop // every) * every
+  assert _scores(killed) == _scores(str(tmp_path / "straight"))
+
+
+def test_delayed_copy_smoke_and_config_variants(tmp_path):
+  summary = train.train_and_evaluate(_smoke("kda", delayed_copy.get_config),
+                                     str(tmp_path))
+  assert summary["task"] == "delayed_copy"
+  assert summary["chance_accuracy"] == pytest.approx(1 / 8)
+  long = delayed_copy.get_config("long")
+  assert long.task.delay >= 256
+  with pytest.raises(ValueError, match="variant"):
+    delayed_copy.get_config("lng")
+  with pytest.raises(ValueError, match="variant"):
+    mqar.get_config("smok")
+
+
+def test_bad_train_values_name_the_field(tmp_path):
+  for diff, field in (({"train.learning_rate": -1.0}, "train.learning_rate"),
+                      ({"train.warmup_steps": 100}, "train.warmup_steps"),
+                      ({"train.batch_size": 0}, "train.batch_size")):
+    with pytest.raises(ValueError, match=field):
+      train.train_and_evaluate(
+          config_lib.apply_diff(mqar.get_config("smoke"), diff),
+          str(tmp_path))
+
+
+def test_ablation_writes_a_table_and_a_plot(tmp_path):
+  summaries, table = ablate.run_ablation(
+      mqar.get_config("smoke"), str(tmp_path), ["none", "attention"],
+      seeds=[0], learning_rates=[1e-3])
+  assert [s["mixer"] for s in summaries] == ["none", "attention"]
+  with open(tmp_path / "results.md") as f:
+    text = f.read()
+  assert table in text
+  rows = [line for line in table.splitlines()[2:]]
+  assert len(rows) == 2 and rows[0].startswith("| none | 0.001 | 0 |")
+  assert os.path.isfile(tmp_path / "accuracy.png")
+  assert os.path.isdir(tmp_path / "attention_seed0_lr0.001")
+  with pytest.raises(ValueError, match="--mixers"):
+    ablate.run_ablation(mqar.get_config("smoke"), str(tmp_path), ["kdaa"],
+                        seeds=[0], learning_rates=[1e-3])
+
+
+def _cli(*args, timeout=600):
+  return subprocess.run(
+      [sys.executable, os.path.join(REPO, "run_experiment.py"), *args],
+      cwd=REPO, capture_output=True, text=True, timeout=timeout,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_cli_rejects_a_misspelt_override(tmp_path):
+  result = _cli("--config=configs/mqar.py:smoke", f"--workdir={tmp_path}",
+                "--config.model.mixxer=kda")
+  assert result.returncode != 0
+  assert "mixxer" in result.stderr
+  assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_cli_mosaic_backend_runs_in_interpret_mode(tmp_path):
+  result = _cli("--config=configs/mqar.py:smoke", f"--workdir={tmp_path}",
+                "--config.model.kda.backend=mosaic",
+                "--config.train.num_steps=1", "--config.train.warmup_steps=0",
+                "--config.train.eval_every=1", "--alsologtostderr")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "mosaic_interpret_mode" in result.stderr
+  with open(tmp_path / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["backend"] == "mosaic" and summary["steps"] == 1
+  assert summary["seq_len"] % 64 == 0
