@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q tests
 
 experiment: $(STAMP)
-	$(BIN)/python -m experiments.demo
+	$(BIN)/python -m experiments.ablate --config=configs/mqar.py --mixers=kda,kda_zeroed --workdir=$(WORKDIR)/mqar_ablation
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -8,8 +8,10 @@ Single run (2-core CPU, chunked KDA backend):
   python run_experiment.py --config=configs/delayed_copy.py \
       --workdir=workdirs/copy_kda
 
-should reach >= 99% held-out token accuracy (chance 1/8 = 12.5%) within the
-default steps; `--config.model.mixer=kda_zeroed` stays at chance.
+reaches >= 99% held-out token accuracy (chance 1/8 = 12.5%) and stops
+(`train.stop_at_accuracy`): measured 99.1% at step 160, 611 s at 0.26
+steps/s on a 2-core CPU shared with other jobs (results/delayed_copy/);
+`--config.model.mixer=kda_zeroed` stays at chance (12.0% at step 160).
 
 Variants: `configs/delayed_copy.py:long` (delay 256, T=276; reported
 whatever it reaches), `configs/delayed_copy.py:smoke` (tiny, seconds).

@@ -6,8 +6,12 @@ Single run (2-core CPU, chunked KDA backend):
 
   python run_experiment.py --config=configs/mqar.py --workdir=workdirs/mqar_kda
 
-should reach >= 99% held-out query accuracy (chance 1/128 = 0.8%) within the
-default steps; `--config.model.mixer=kda_zeroed` and `=none` stay at chance.
+targets >= 99% held-out query accuracy (chance 1/32 = 3.1%) and stops there
+(`train.stop_at_accuracy`). NOT yet reached: on a 2-core CPU shared with
+other jobs (0.15 steps/s) the measured run had 6.3% at step 150 of 300,
+rising slowly from the chance plateau after step ~110 (results/mqar/); the
+learning rate / batch / head_dim need tuning on a quieter machine.
+`--config.model.mixer=kda_zeroed` and `=none` stay at chance.
 Ablation (kda vs kda_zeroed, prints the table):
 
   python -m experiments.ablate --config=configs/mqar.py \
