@@ -175,17 +175,17 @@ def main():
       tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
   mm_rate = matmul_gflops()
   rows = []
-  for shape in shapes:
+  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+  for shape in shapes:  # results are saved after every shape
     rows += bench_shape(shape, a.repeats, mm_rate)
     print(markdown(rows, mm_rate), flush=True)
-  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(dict(machine=dict(platform=platform.platform(),
-                                cpu_count=os.cpu_count(),
-                                device=str(jax.devices()[0]),
-                                jax=jax.__version__),
-                   matmul_gflops=mm_rate, rows=rows), f, indent=1)
-  print(f"\nwrote {a.out}")
+    with open(a.out, "w") as f:
+      json.dump(dict(machine=dict(platform=platform.platform(),
+                                  cpu_count=os.cpu_count(),
+                                  device=str(jax.devices()[0]),
+                                  jax=jax.__version__),
+                     matmul_gflops=mm_rate, rows=rows), f, indent=1)
+    print(f"\nwrote {a.out}", flush=True)
 
 
 if __name__ == "__main__":
