@@ -363,6 +363,7 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
   else:
     carry0 = init[:, 0]
   # carried[:, n]: the state entering chunk n (the end state of chunk n - 1).
+  carry0 = common.vary_like(carry0, xs, init)
   last_state, carried = jax.lax.scan(step, carry0, xs)
   carried = jnp.moveaxis(carried, 0, 1)  # [B, NC, H, K, V]
 

@@ -78,3 +78,24 @@ def finish(o, final_state, *, dtype, has_segments, output_final_state):
   if not has_segments:
     final_state = final_state[:, 0]
   return o, final_state
+
+
+def _varying_axes(x) -> frozenset:
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def vary_like(tree, *refs):
+  """Marks `tree`'s arrays varying over every shard_map axis `refs` vary over.
+
+  Inside `shard_map` (with its default `check_vma=True`), a `lax.scan` carry
+  that starts as a fresh constant but is updated from per-rank inputs changes
+  type; starting it as varying keeps the op usable there. A no-op elsewhere.
+  """
+  axes = frozenset().union(*(_varying_axes(r) for r in jax.tree.leaves(refs)))
+
+  def cast(x):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree) if axes else tree

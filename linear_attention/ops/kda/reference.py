@@ -62,8 +62,9 @@ def kda_reference(
 
   time_major = lambda x: jnp.moveaxis(x, 1, 0)
   xs = tuple(map(time_major, (c.q, c.k, c.v, c.g, c.beta, c.segment_ids)))
-  init = (c.initial_state[:, 0], jnp.zeros((b,), jnp.int32),
-          c.initial_state)
+  init = common.vary_like(
+      (c.initial_state[:, 0], jnp.zeros((b,), jnp.int32), c.initial_state),
+      xs, c.initial_state)
   (_, _, finals), o = jax.lax.scan(step, init, xs)
   return common.finish(
       time_major(o), finals, dtype=q.dtype, has_segments=c.has_segments,
