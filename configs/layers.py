@@ -33,6 +33,8 @@ def kda_config() -> ml_collections.ConfigDict:
       decay="channel",
       use_output_gate=True,
       use_qkv_lora=False,
+      # A mesh axis name when called inside shard_map with T split over it.
+      context_axis=config_dict.placeholder(str),
   ))
   config.lock()
   return config

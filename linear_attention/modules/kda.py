@@ -62,8 +62,13 @@ def validate_kda_layer_args(
     decay: str = "channel",
     use_output_gate: bool = True,
     use_qkv_lora: bool = False,
+    context_axis: str | None = None,
 ) -> None:
   """Raises ValueError, naming the argument, unless the layer can be built."""
+  if context_axis is not None and not isinstance(context_axis, str):
+    raise ValueError(
+        f"context_axis must be None or a mesh axis name (str); got"
+        f" {context_axis!r}.")
   for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
@@ -159,7 +164,8 @@ class KimiDeltaAttention(hk.Module):
         num_heads=self.num_heads, head_dim=self.head_dim,
         expand_v=self.expand_v, conv_size=self.conv_size,
         lower_bound=self.lower_bound, backend=self.backend, decay=self.decay,
-        use_output_gate=self.use_output_gate, use_qkv_lora=self.use_qkv_lora)
+        use_output_gate=self.use_output_gate, use_qkv_lora=self.use_qkv_lora,
+        context_axis=self.context_axis)
     super().__post_init__()  # hk.Module.__init__(name=self.name)
 
   @property
