@@ -12,7 +12,6 @@ visible at its own last token) and, when segment ids are given, the two ids
 are equal; invisible entries are -inf and get a zero gradient.
 """
 
-import enum
 import math
 
 from absl import logging
@@ -21,28 +20,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from linear_attention.ops import backend_enum
 from linear_attention.ops.csa import pallas
 from linear_attention.ops.csa import reference
 from linear_attention.ops.csa import xla_chunked
 
 
-class Backend(enum.Enum):
+class Backend(backend_enum.BackendEnum):
   """Every implementation of the score; all return float32 [B, S, W]."""
 
   REFERENCE = "reference"  # one einsum over [B, S, H, W]: the oracle
   XLA_CHUNKED = "xla_chunked"  # query tiles x head chunks, custom VJP
   PALLAS = "pallas"  # fused forward/backward Pallas kernels (TPU)
-
-  @classmethod
-  def parse(cls, value: "str | Backend") -> "Backend":
-    if isinstance(value, Backend):
-      return value
-    try:
-      return cls(value)
-    except ValueError:
-      raise ValueError(
-          f"backend must be one of {[b.value for b in cls]}; got {value!r}."
-      ) from None
 
 
 _logged_backends: set[Backend] = set()

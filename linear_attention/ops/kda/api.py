@@ -7,36 +7,25 @@ S in R^{K x V}, alpha_t = exp(g_t) and beta_t in [0, 1]:
     o_t = S_t^T (scale * q_t)
 """
 
-import enum
 import math
 
 from absl import logging
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import backend_enum
 from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import reference
 from linear_attention.parallel import kda_cp
 
 
-class Backend(enum.Enum):
+class Backend(backend_enum.BackendEnum):
   """Every implementation of the op; all return the same `(o, state)`."""
 
   REFERENCE = "reference"  # token-by-token lax.scan: the oracle
   CHUNKED = "chunked"  # chunk-64 WY/UT form in XLA: CPU/GPU default
   MOSAIC = "mosaic"  # tokamax's Pallas TPU kernel
-
-  @classmethod
-  def parse(cls, value: "str | Backend") -> "Backend":
-    if isinstance(value, Backend):
-      return value
-    try:
-      return cls(value)
-    except ValueError:
-      raise ValueError(
-          f"backend must be one of {[b.value for b in cls]}; got {value!r}."
-      ) from None
 
 
 LOWER_BOUND_MIN = -5.0
