@@ -59,5 +59,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train = config_lib.train_config(
         num_steps=6, batch_size=4, warmup_steps=1, log_every=1, eval_every=2,
         eval_batches=1, eval_batch_size=4, checkpoint_every=2)
+  config.mesh = config_lib.mesh_config()
   config.lock()
   return config

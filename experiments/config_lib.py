@@ -7,7 +7,9 @@ Every experiment config has the same sections:
 * `model`: `mixer`, `num_layers`, `d_model`, `mlp_hidden`, `kda` (the
   `KimiDeltaAttention` keywords, `configs.layers.kda_config()`) and
   `attention` (the softmax baseline's keywords);
-* `train`: optimiser, schedule, batch, logging, evaluation, checkpoints.
+* `train`: optimiser, schedule, batch, logging, evaluation, checkpoints;
+* `mesh`: `data` x `context` devices; the batch is split over `data` and the
+  sequence over `context` (KDA's exact state passing); 1 x 1 is one device.
 
 `CONFIG_DIFFS` names the ablations: each is a one-line diff applied to a
 config with `apply_diff` (alphafold's CONFIG_DIFFS pattern).
@@ -49,6 +51,11 @@ def model_config(*, mixer="kda", num_layers=2, d_model=128, mlp_hidden=256,
       attention=dict(num_heads=num_heads, head_dim=head_dim,
                      conv_size=conv_size, rope_base=10_000.0),
   ))
+
+
+def mesh_config(data: int = 1, context: int = 1) -> ml_collections.ConfigDict:
+  """config.mesh: devices along the batch (`data`) and the sequence."""
+  return ml_collections.ConfigDict(dict(data=data, context=context))
 
 
 def train_config(**overrides):

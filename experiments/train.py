@@ -24,6 +24,7 @@ one checkpoint interval and ends with the same metrics as an uninterrupted one.
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import json
 import logging as logging_std
@@ -45,6 +46,7 @@ import tensorboardX
 from experiments import model as model_lib
 from experiments import plotting
 from experiments import tasks as tasks_lib
+from linear_attention.parallel import train as parallel_train
 
 KDA_MIXERS = ("kda", "kda_zeroed", "gdn")
 TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
@@ -86,6 +88,39 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       0 < tr.stop_at_accuracy <= 1), "None or in (0, 1]", tr.stop_at_accuracy)
   _check("train.warmup_steps", tr.warmup_steps < tr.num_steps,
          f"< train.num_steps ({tr.num_steps})", tr.warmup_steps)
+  _check("mesh", "mesh" in config, "a section of the config", None)
+  for field in ("data", "context"):
+    value = config.mesh[field]
+    _check(f"mesh.{field}", _is_int(value) and value >= 1, "an int >= 1",
+           value)
+  for field in ("batch_size", "eval_batch_size"):
+    _check(f"train.{field}", tr[field] % config.mesh.data == 0,
+           f"a multiple of mesh.data ({config.mesh.data})", tr[field])
+  if config.mesh.context > 1:
+    if config.model.mixer == "attention":
+      raise NotImplementedError(
+          "model.mixer='attention' (the softmax baseline) has no context"
+          " parallelism; use mesh.context=1 for it.")
+    if uses_kda(config) and config.model.kda.context_axis is not None:
+      raise ValueError(
+          "model.kda.context_axis must be None: mesh.context sets it; got"
+          f" {config.model.kda.context_axis!r}.")
+
+
+def make_mesh(config) -> jax.sharding.Mesh | None:
+  """The ("data", "context") Mesh of `config.mesh`, or None for 1 x 1."""
+  data, context = config.mesh.data, config.mesh.context
+  n = data * context
+  if n == 1:
+    return None
+  available = jax.device_count()
+  if n > available:
+    raise ValueError(
+        f"mesh.data * mesh.context ({data} x {context} = {n}) must be <= the"
+        f" number of devices ({available}). On CPU, simulate devices with"
+        f" XLA_FLAGS=--xla_force_host_platform_device_count={n}.")
+  devices = np.asarray(jax.devices()[:n]).reshape(data, context)
+  return jax.sharding.Mesh(devices, ("data", "context"))
 
 
 class _DropOrbaxInfo(logging_std.Filter):
@@ -140,13 +175,12 @@ def make_optimizer(tr) -> tuple[optax.GradientTransformation, optax.Schedule]:
   return opt, schedule
 
 
-def masked_loss_and_accuracy(logits, targets, mask):
-  """Mean cross-entropy and accuracy over the positions where mask is 1."""
+def masked_sums(logits, targets, mask):
+  """(cross-entropy sum, number scored, correct sum) where mask is 1."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-  denom = jnp.maximum(mask.sum(), 1.0)
-  return (nll * mask).sum() / denom, (correct * mask).sum() / denom
+  return (nll * mask).sum(), mask.sum(), (correct * mask).sum()
 
 
 class MetricsLog:
@@ -217,14 +251,36 @@ def _program(config) -> _Program:
     return _PROGRAMS[key]
   tr = config.train
   task = tasks_lib.make_task(**config.task.to_dict())
-  model = model_lib.make_model(config.model, task.vocab_size)
+  mesh = make_mesh(config)
+  model_config = config.model
+  context = config.mesh.context
+  if context > 1:
+    _check("task.seq_len", task.seq_len % context == 0,
+           f"a multiple of mesh.context ({context})", task.seq_len)
+    if uses_kda(config):  # the layer runs KDA and its conv across ranks
+      model_config = copy.deepcopy(config.model)
+      model_config.kda.context_axis = "context"
+  model = model_lib.make_model(model_config, task.vocab_size)
+  # Parameters do not depend on the mesh: initialise them outside it.
+  init_model = (model if model_config is config.model else
+                model_lib.make_model(config.model, task.vocab_size))
   optimizer, schedule = make_optimizer(tr)
   b, t, v = tr.batch_size, task.seq_len, task.vocab_size
 
-  def loss_fn(params, batch):
+  def sums_fn(params, batch):  # on one shard of the mesh, or on everything
     logits = model.apply(params, batch["inputs"])
     chex.assert_shape(logits, (*batch["inputs"].shape, v))
-    return masked_loss_and_accuracy(logits, batch["targets"], batch["mask"])
+    return masked_sums(logits, batch["targets"], batch["mask"])
+
+  if mesh is None:
+    def loss_fn(params, batch):
+      nll, count, correct = sums_fn(params, batch)
+      denom = jnp.maximum(count, 1.0)
+      return nll / denom, correct / denom
+  else:
+    loss_fn = parallel_train.shard_loss_fn(
+        sums_fn, mesh, "data", "context" if context > 1 else None,
+        has_aux=True)
 
   @jax.jit
   def train_step(params, opt_state, batch):
@@ -243,7 +299,7 @@ def _program(config) -> _Program:
 
   prog = _Program(task=task, model=model, optimizer=optimizer,
                   schedule=schedule, train_step=train_step,
-                  eval_step=jax.jit(loss_fn), init=jax.jit(model.init))
+                  eval_step=jax.jit(loss_fn), init=jax.jit(init_model.init))
   _PROGRAMS[key] = prog
   while len(_PROGRAMS) > _MAX_PROGRAMS:
     _PROGRAMS.popitem(last=False)
@@ -277,6 +333,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   b, t = tr.batch_size, task.seq_len
   logging.info("Task %s: T=%d, vocab %d, chance accuracy %.4f.", task.name, t,
                task.vocab_size, task.chance_accuracy)
+  if config.mesh.data * config.mesh.context > 1:
+    logging.info("Mesh: data %d x context %d devices (batch split over data,"
+                 " sequence over context).", config.mesh.data,
+                 config.mesh.context)
 
   eval_set = [
       task.sample(tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
@@ -384,6 +444,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       chance_accuracy=task.chance_accuracy,
       steps_to_99=steps_to_accuracy(evals),
       learning_rate=tr.learning_rate, batch_size=b, seq_len=t,
+      mesh=[config.mesh.data, config.mesh.context],
       num_params=model_lib.count_params(params),
       wall_seconds=wall, steps_per_second=trained / wall if trained else None,
       steps_trained_this_run=trained)

@@ -33,11 +33,10 @@ so a segment id that reappears later in the shard still starts from its own
 initial state. Gradients are exact by autodiff through `all_gather` and
 `psum`, taken outside the `shard_map` (tested at 2, 4 and 8 ranks).
 
-`jax.shard_map` needs `check_vma=False` for now: the `reference` and
-`chunked` backends start their `lax.scan`s from fresh (mesh-invariant) zeros,
-while the carried states vary over the mesh axis, which vma type checking
-rejects. Building those initial carries from the inputs (e.g. `zeros_like`
-of a varying array) in the backends would lift this.
+Works under `jax.shard_map`'s default `check_vma=True`: the backends start
+their scan carries varying like their inputs (`ops/kda/common.vary_like`),
+and the final states come out of psums, typed mesh-invariant, so
+`out_specs=P()` is accepted for them.
 
 Backend "mosaic" uses tokamax's own CP path (`ContextParallelMetadata`),
 whose limits are raised as `NotImplementedError`s: segment_ids required
@@ -252,7 +251,9 @@ def kda_context_parallel(
   owner = present & ~jnp.any(present_all & after, axis=0)
   final = jax.lax.psum(jnp.where(_bmask(owner, mine), mine, 0.0),
                        context_axis)
-  anywhere = jnp.any(present_all, axis=0)
+  # A psum (not the all-gathered `present_all`) so that `final` is typed
+  # mesh-invariant, as out_specs=P() asks under check_vma=True.
+  anywhere = jax.lax.psum(present.astype(jnp.int32), context_axis) > 0
   final = final + jnp.where(_bmask(anywhere, base), 0.0, user_init)
   if not has_segments:
     final = final[:, 0]

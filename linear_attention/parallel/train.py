@@ -28,22 +28,27 @@ def shard_loss_fn(
     context_axis: str | None = "context",
     *,
     sequence_layout: str = "contiguous",
-) -> Callable[[Any, Any], jax.Array]:
+    has_aux: bool = False,
+) -> Callable[[Any, Any], Any]:
   """Wraps a shard loss as the global mean loss over a data x context mesh.
 
   Args:
     loss_fn: `(params, batch) -> (loss_sum, weight_sum)` on one shard, where
       every leaf of `batch` is this rank's [B_local, T_local, ...] block and
       loss_sum is the sum of the per-token losses (weight_sum their count or
-      total weight).
+      total weight). With `has_aux`, `(loss_sum, weight_sum, aux_sums)`,
+      where aux_sums is a pytree of per-token sums (e.g. correct tokens).
     mesh: the mesh; must have the named axes.
     data_axis: mesh axis the batch (dim 0) is split over, or None.
     context_axis: mesh axis the sequence (dim 1) is split over, or None.
     sequence_layout: "contiguous" only (see `kda_cp.check_sequence_layout`).
+    has_aux: whether `loss_fn` also returns `aux_sums`.
 
   Returns:
     `f(params, batch) -> psum(loss_sum) / psum(weight_sum)`, a replicated
-    scalar; `jax.grad(f)` gives the single-device gradients.
+    scalar; `jax.grad(f)` gives the single-device gradients. With
+    `has_aux`, `f` returns `(loss, aux)`, aux = psum(aux_sums) /
+    psum(weight_sum) leaf by leaf (use `jax.grad(f, has_aux=True)`).
 
   Raises:
     ValueError: an axis that is not a str naming an axis of `mesh`.
@@ -58,13 +63,18 @@ def shard_loss_fn(
   axes = tuple(a for a in (data_axis, context_axis) if a is not None)
 
   def local(params, batch):
-    loss_sum, weight_sum = loss_fn(params, batch)
-    return jax.lax.psum(loss_sum, axes) / jax.lax.psum(weight_sum, axes)
+    loss_sum, weight_sum, *aux = loss_fn(params, batch)
+    if len(aux) != int(has_aux):
+      raise ValueError(
+          f"loss_fn must return {3 if has_aux else 2} values with has_aux="
+          f"{has_aux}; got {2 + len(aux)}.")
+    weight = jax.lax.psum(weight_sum, axes)
+    loss = jax.lax.psum(loss_sum, axes) / weight
+    if not has_aux:
+      return loss
+    return loss, jax.tree.map(lambda x: jax.lax.psum(x, axes) / weight,
+                              aux[0])
 
-  # check_vma=False: the XLA KDA backends start their scans from fresh
-  # zeros, which vma checking rejects (see `kda_cp`); the gradients taken
-  # outside the shard_map are exact either way.
-  sharded = jax.shard_map(
+  return jax.shard_map(
       local, mesh=mesh, in_specs=(P(), P(data_axis, context_axis)),
-      out_specs=P(), check_vma=False)
-  return sharded
+      out_specs=P())

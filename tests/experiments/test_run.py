@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from configs import delayed_copy
@@ -111,6 +112,40 @@ def test_bad_train_values_name_the_field(tmp_path):
       train.train_and_evaluate(
           config_lib.apply_diff(mqar.get_config("smoke"), diff),
           str(tmp_path))
+
+
+def test_data_x_context_mesh_gives_the_single_device_run(tmp_path):
+  # 2 x 2 mesh on simulated CPU devices (tests/conftest.py): the batch split
+  # over "data", the sequence over "context" (KDA state passing and the conv
+  # halo across ranks); every logged loss and accuracy equals the 1 x 1 run's.
+  base = config_lib.apply_diff(_smoke("kda"), {
+      "model.kda.backend": "reference", "train.num_steps": 3,
+      "train.eval_every": 3, "train.checkpoint_every": 3})
+  single = train.train_and_evaluate(base, str(tmp_path / "single"))
+  meshed = train.train_and_evaluate(
+      config_lib.apply_diff(base, {"mesh.data": 2, "mesh.context": 2}),
+      str(tmp_path / "mesh"))
+  assert single["mesh"] == [1, 1] and meshed["mesh"] == [2, 2]
+  got, want = _scores(str(tmp_path / "mesh")), _scores(str(tmp_path / "single"))
+  assert [r[:2] for r in got] == [r[:2] for r in want]
+  np.testing.assert_allclose([r[2:] for r in got], [r[2:] for r in want],
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("diff,error,match", [
+    ({"mesh.data": 3}, ValueError, "train.batch_size must be a multiple of"
+     " mesh.data"),
+    ({"mesh.context": 0}, ValueError, "mesh.context must be an int >= 1"),
+    ({"mesh.data": 4, "mesh.context": 4}, ValueError, "number of devices"),
+    ({"mesh.context": 3}, ValueError, "task.seq_len must be a multiple of"
+     " mesh.context"),
+    ({"mesh.context": 2, "model.mixer": "attention"}, NotImplementedError,
+     "no context parallelism"),
+])
+def test_bad_mesh_values_name_the_field(tmp_path, diff, error, match):
+  with pytest.raises(error, match=match):
+    train.train_and_evaluate(
+        config_lib.apply_diff(mqar.get_config("smoke"), diff), str(tmp_path))
 
 
 def test_ablation_writes_a_table_and_a_plot(tmp_path):

@@ -1,9 +1,9 @@
 """Shared pieces of the context-parallel tests: meshes and packed segment ids.
 
 The tests run on 8 simulated CPU devices (tests/conftest.py). The shard_maps
-use `check_vma=False`: the XLA backends start their scans from fresh zeros,
-which vma type checking rejects when the carried values vary over the mesh
-axis (see `linear_attention.parallel.kda_cp`).
+keep `jax.shard_map`'s default `check_vma=True` (vma type checking), as a
+user's would; the Mosaic CP test (tokamax's own CP kernel in interpret mode)
+keeps `check_vma=False`.
 """
 
 import jax

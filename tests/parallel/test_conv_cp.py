@@ -37,7 +37,7 @@ def run_conv(x, w, bias, ids, num_ranks, width_activation="silu"):
   seq = P(None, AXIS)
   sharded = jax.shard_map(
       conv, mesh=common.mesh(num_ranks), in_specs=(seq, P(), P(), seq),
-      out_specs=seq, check_vma=False)
+      out_specs=seq)
   return sharded(x, w, bias, ids)
 
 
@@ -93,7 +93,7 @@ class ContextParallelConvTest(parameterized.TestCase):
     zigzag = jax.shard_map(
         lambda x: conv_cp.short_conv1d_context_parallel(
             x, w, context_axis=AXIS, sequence_layout="zigzag"),
-        mesh=common.mesh(2), in_specs=seq, out_specs=seq, check_vma=False)
+        mesh=common.mesh(2), in_specs=seq, out_specs=seq)
     with self.assertRaisesRegex(ValueError, "sequence_layout.*zig-zag"):
       zigzag(x)
     with self.assertRaisesRegex(NotImplementedError, "cache"):

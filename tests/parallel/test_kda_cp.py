@@ -49,7 +49,7 @@ def make_case(gate, *, segments=True, init=True, b=2, h=2, kd=8, vd=16,
   return {n: jnp.asarray(x) for n, x in args.items()}, kw
 
 
-def run_op(args, kw, backend, num_ranks, final, check_vma=False):
+def run_op(args, kw, backend, num_ranks, final):
   """The op on one device (num_ranks=None) or sharded over T."""
   names = sorted(args)
 
@@ -67,12 +67,11 @@ def run_op(args, kw, backend, num_ranks, final, check_vma=False):
   seq = ("q", "k", "v", "g", "beta", "segment_ids")
   specs = tuple(P(None, AXIS) if n in seq else P() for n in names)
   sharded = jax.shard_map(op, mesh=common.mesh(num_ranks), in_specs=specs,
-                          out_specs=(P(None, AXIS), P()), check_vma=check_vma)
+                          out_specs=(P(None, AXIS), P()))
   return sharded(*[args[n] for n in names])
 
 
-def outputs_and_grads(args, kw, backend, num_ranks, final=True,
-                      check_vma=False):
+def outputs_and_grads(args, kw, backend, num_ranks, final=True):
   """(o, final state, grads) of sum(o * do) + sum(state * dstate)."""
   diff = [n for n in sorted(args) if n != "segment_ids"]
   o, s = run_op(args, kw, backend, None, final)  # cotangent shapes
@@ -82,7 +81,7 @@ def outputs_and_grads(args, kw, backend, num_ranks, final=True,
                                           jnp.float32)
 
   def loss(xs):
-    o, s = run_op(dict(args, **xs), kw, backend, num_ranks, final, check_vma)
+    o, s = run_op(dict(args, **xs), kw, backend, num_ranks, final)
     total = jnp.sum(o * do)
     return total if s is None else total + jnp.sum(s * ds), (o, s)
 
@@ -136,16 +135,6 @@ class ContextParallelKdaTest(parameterized.TestCase):
     testing.assert_close(o, o_np, rtol=1e-5, name="output")
     testing.assert_close(s, s_np, rtol=1e-5, name="final_state")
 
-  @parameterized.parameters("reference", "chunked")
-  def test_default_check_vma(self, backend):
-    # jax.shard_map's default vma type checking accepts the op (outputs;
-    # the replicated final states are only tested with check_vma=False).
-    args, kw = make_case("lower_bound")
-    expected = outputs_and_grads(args, kw, "reference", None, final=False)
-    actual = outputs_and_grads(args, kw, backend, 2, final=False,
-                               check_vma=True)
-    assert_same(actual, expected)
-
   def test_reordered_layout_rejected(self):
     args, kw = make_case("lower_bound", init=False)
     a = args
@@ -159,7 +148,7 @@ class ContextParallelKdaTest(parameterized.TestCase):
 
     spec = P(None, AXIS)
     sharded = jax.shard_map(op, mesh=common.mesh(2), in_specs=(spec,) * 6,
-                            out_specs=(spec, P()), check_vma=False)
+                            out_specs=(spec, P()))
     with self.assertRaisesRegex(ValueError, "sequence_layout.*zig-zag"):
       sharded(a["q"], a["k"], a["v"], a["g"], a["beta"], a["segment_ids"])
 
@@ -175,8 +164,7 @@ class ContextParallelKdaTest(parameterized.TestCase):
     spec = P(None, AXIS)
     inside = jax.shard_map(
         lambda *xs: ops.kimi_delta_attention(*xs, context_axis="seq", **kw),
-        mesh=common.mesh(2), in_specs=(spec,) * 5, out_specs=(spec, P()),
-        check_vma=False)
+        mesh=common.mesh(2), in_specs=(spec,) * 5, out_specs=(spec, P()))
     with self.assertRaisesRegex(ValueError, "'seq' is not a bound mesh"):
       inside(args["q"], args["k"], args["v"], args["g"], args["beta"])
 

@@ -54,7 +54,7 @@ class LayerContextParallelTest(parameterized.TestCase):
     seq = P(None, AXIS)
     sharded = jax.shard_map(
         sharded_layer.apply, mesh=common.mesh(num_ranks),
-        in_specs=(P(), seq, seq), out_specs=seq, check_vma=False)
+        in_specs=(P(), seq, seq), out_specs=seq)
 
     def loss(apply, params, x):
       y = apply(params, x, ids)
