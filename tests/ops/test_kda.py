@@ -28,6 +28,7 @@ class Case:
   k: int = 16
   v: int = 24
   gate: str = "lower_bound"  # "lower_bound" | "softplus" | "preactivated"
+  lower_bound: float = -5.0  # for gate="lower_bound"
   g_min: float = -5.0  # for pre-activated log decays: U(g_min, 0)
   segments: bool = False
   init: bool = True
@@ -54,7 +55,7 @@ def make_inputs(c: Case):
     args["a_log"] = np.log(rng.uniform(1, 16, c.h)).astype(np.float32)
     args["dt_bias"] = normal(c.h * c.k) * 0.5
     kw.update(use_gate_in_kernel=True,
-              lower_bound=-5.0 if c.gate == "lower_bound" else None)
+              lower_bound=c.lower_bound if c.gate == "lower_bound" else None)
   n = None
   if c.segments:
     n = 4
@@ -148,6 +149,10 @@ CHUNKED_CASES = (
     ("decay_minus_1000_segments", Case(t=130, gate="preactivated",
                                        g_min=-1000.0, segments=True)),
     ("segments_no_init", Case(t=100, segments=True, init=False)),
+    # Bounds above -5 factor larger blocks (chunked.block_size): 32 and 64.
+    ("lower_bound_2_5_segments", Case(t=130, segments=True, lower_bound=-2.5)),
+    ("lower_bound_1_segments", Case(t=130, segments=True, lower_bound=-1.0,
+                                    k=32)),
 )
 
 

@@ -22,13 +22,16 @@ lower_bound=-5 spans -320; pre-activated decays may go to -1000 and below):
 exp(G_i - G_j) is never split as exp(G_i) exp(-G_j) over a chunk, and every
 exponent is a sum of g over its own range (never a difference of two long
 cumulative sums, which would lose ulp(G) of absolute precision). The chunk is
-cut into 16-token blocks. A pair in different blocks factors exactly into
-three exponents, each <= 0: within the row's block, the whole blocks between,
-and within the column's block, so the off-diagonal scores are einsums of
-[C, K] factors. Inside a block the pair factors as exp(incl_i) exp(-incl_j)
-when |incl| <= 80 (always under a lower-bound gate, 16 * 5); otherwise a
-runtime branch uses the exact masked exponent on [16, 16, K]. Accumulation is
-float32 throughout. Measured against a float64 recurrence: ~2e-7 relative L2.
+cut into blocks of S tokens (`block_size`: 16; 32 or 64 under a lower-bound
+gate above -5, where S * |lower_bound| <= 80). A pair in different blocks
+factors exactly into three exponents, each <= 0: within the row's block, the
+whole blocks between, and within the column's block, so the off-diagonal
+scores are einsums of [C, K] factors. Inside a block the pair factors as
+exp(incl_i) exp(-incl_j) when |incl| <= 80 (always under a lower-bound gate);
+otherwise a runtime branch uses the exact masked exponent on [16, 16, K].
+Range sums are matmuls with 0/1 matrices (`_range_sums`); the unit lower
+solve always uses 16 x 16 blocks. Accumulation is float32 throughout.
+Measured against a float64 recurrence: ~2e-7 relative L2.
 
 Packed segments (see `common`): a run of a segment may start anywhere inside a
 chunk. Cumulative decays restart at each run start, A and A_qk are masked to
@@ -45,9 +48,28 @@ import jax.numpy as jnp
 from linear_attention.ops.kda import common
 
 CHUNK = 64
-SUB = 16
+SUB = 16  # block size when the decays are unbounded (or bounded below -5)
 # exp(-x) is finite in float32 for x <= 88; 16 tokens at -5 give 80.
 _FACTOR_LIMIT = 80.0
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def block_size(lower_bound, use_gate_in_kernel) -> tuple[int, bool]:
+  """(block size, bounded): the largest block the exp split is safe over.
+
+  Under a lower-bound gate every g >= lower_bound, so a block of S tokens
+  spans at most S * |lower_bound|; the diagonal blocks may factor as
+  exp(incl_i) exp(-incl_j) when that is <= 80. At -5 that is 16 tokens; at
+  -2.5, 32; from -1.25 up, the whole 64-token chunk is one block (no
+  off-diagonal products, one 64 x 64 solve). Other gates: 16, with a runtime
+  check (`bounded` False).
+  """
+  if not (use_gate_in_kernel and lower_bound is not None):
+    return SUB, False
+  for size in (CHUNK, CHUNK // 2):
+    if size * abs(lower_bound) <= _FACTOR_LIMIT:
+      return size, True
+  return SUB, True
 
 
 def _segmented_cumsum(x, starts, axis):
@@ -62,12 +84,27 @@ def _segmented_cumsum(x, starts, axis):
   return jax.lax.associative_scan(combine, (starts, x), axis=axis)[1]
 
 
-def _sum_after(x, axis):
-  """y[j] = sum of x[t] for t > j along `axis` (exclusive reverse cumsum)."""
-  x = jnp.moveaxis(x, axis, -1)
-  shifted = jnp.concatenate([x[..., 1:], jnp.zeros_like(x[..., :1])], -1)
-  total = jax.lax.cumsum(shifted, axis=shifted.ndim - 1, reverse=True)
-  return jnp.moveaxis(total, -1, axis)
+def _range_sums(x, relation):
+  """y[i] = sum of x[j] over the tokens j with relation(i, j), x [..., S, K].
+
+  A matmul with a 0/1 matrix: each output is the float32 sum of exactly its
+  range (HIGHEST precision: no reduced-precision passes on GPU/TPU). On CPU
+  this is several times faster than `lax.cumsum`, which XLA lowers to a
+  quadratic reduce-window, and its transpose is another such matmul.
+  """
+  i = jnp.arange(x.shape[-2])
+  mask = relation(i[:, None], i[None, :]).astype(x.dtype)
+  return jnp.einsum("ij,...jk->...ik", mask, x, precision=_HIGHEST)
+
+
+def _sum_upto(x):
+  """y[i] = sum of x[j] for j <= i along axis -2 (inclusive cumsum)."""
+  return _range_sums(x, lambda i, j: j <= i)
+
+
+def _sum_after(x):
+  """y[i] = sum of x[j] for j > i along axis -2 (exclusive reverse cumsum)."""
+  return _range_sums(x, lambda i, j: j > i)
 
 
 def _exp_masked(x, mask):
@@ -119,7 +156,7 @@ def _block_sums(tot, relation):
   return jnp.einsum("nml,...lk->...nmk", mask.astype(tot.dtype), tot)
 
 
-def _intra_chunk(q, k, g, run, starts, segmented, bounded):
+def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
   """Decays and masked score matrices for all chunks at once.
 
   Cut each chunk into NB = C / 16 blocks. With incl[i] the sum of g over
@@ -139,18 +176,19 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded):
     run: [..., C] run index per token (segmented only).
     starts: [..., C] bool, token starts a run (segmented only).
     segmented: static; False means one run per chunk.
-    bounded: static; True when every g >= -5 (lower-bound gate).
+    bounded: static; True when every g >= -80 / sub (lower-bound gate).
+    sub: static block size (see `block_size`).
 
   Returns:
     ChunkDecays.
   """
   c, kd = k.shape[-2:]
-  nb = c // SUB
+  nb = c // sub
   batch = g.shape[:-2]
-  blocks = lambda x: x.reshape(batch + (nb, SUB, x.shape[-1]))
+  blocks = lambda x: x.reshape(batch + (nb, sub, x.shape[-1]))
   gb, qb, kb = blocks(g), blocks(q), blocks(k)
-  incl = jax.lax.cumsum(gb, axis=gb.ndim - 2)  # [..., NB, S, K]
-  after = _sum_after(gb, axis=-2)
+  incl = _sum_upto(gb)  # [..., NB, S, K]
+  after = _sum_after(gb)
   tot = incl[..., -1, :]  # [..., NB, K]
 
   row = jnp.exp(incl)
@@ -163,13 +201,13 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded):
   off = lambda rows: jnp.einsum("...nsk,...nmk,...mtk->...nmst", rows, mid,
                                 k_col)
 
-  s = jnp.arange(SUB)
+  s = jnp.arange(sub)
   incl_mask = s[:, None] >= s[None, :]
   strict_mask = s[:, None] > s[None, :]
   if segmented:
     same = run[..., :, None] == run[..., None, :]  # [..., C, C]
     same_b = jnp.stack(
-        [same[..., i * SUB:(i + 1) * SUB, i * SUB:(i + 1) * SUB]
+        [same[..., i * sub:(i + 1) * sub, i * sub:(i + 1) * sub]
          for i in range(nb)], axis=-3)  # [..., NB, S, S]
     incl_mask, strict_mask = incl_mask & same_b, strict_mask & same_b
 
@@ -198,15 +236,18 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded):
   on_diag = jnp.eye(nb, dtype=bool)[:, :, None, None]
   with_diag = lambda o, d: jnp.where(on_diag, d[..., :, None, :, :], o)
   # [..., NB, NB, S, S] blocks (n, m): rows of block n, columns of block m
-  a_qk = with_diag(off(q_row), d_qk)
-  a_kk = with_diag(off(k_row), d_kk)
+  if nb == 1:  # the whole chunk is one block: nothing off the diagonal
+    a_qk, a_kk = d_qk[..., :, None, :, :], d_kk[..., :, None, :, :]
+  else:
+    a_qk = with_diag(off(q_row), d_qk)
+    a_kk = with_diag(off(k_row), d_kk)
   a_qk = jnp.swapaxes(a_qk, -2, -3).reshape(batch + (c, c))
 
   suffix = _block_sums(tot, lambda n, m, l: l > n)[..., 0, :]  # [..., NB, K]
   to_end = col * jnp.exp(suffix)[..., None, :]
   if segmented:
     a_qk = jnp.where(same, a_qk, 0.0)
-    same_blocks = jnp.swapaxes(same.reshape(same.shape[:-2] + (nb, SUB, nb, SUB)),
+    same_blocks = jnp.swapaxes(same.reshape(same.shape[:-2] + (nb, sub, nb, sub)),
                                -2, -3)
     a_kk = jnp.where(same_blocks, a_kk, 0.0)
     G = _segmented_cumsum(g, (starts | (jnp.arange(c) == 0))[..., None],
@@ -223,6 +264,17 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded):
     to_end = to_end.reshape(g.shape)
   return ChunkDecays(read=read, to_end=to_end, total=total, a_kk=a_kk,
                      a_qk=a_qk, G=G)
+
+
+def _reblock(blk, size):
+  """[..., NB, NB, S, S] blocks of a C x C matrix -> blocks of `size`."""
+  nb, s = blk.shape[-3], blk.shape[-1]
+  if s == size:
+    return blk
+  batch, c = blk.shape[:-4], nb * s
+  full = jnp.swapaxes(blk, -2, -3).reshape(batch + (c, c))
+  n = c // size
+  return jnp.swapaxes(full.reshape(batch + (n, size, n, size)), -2, -3)
 
 
 def _unit_lower_solve(blk, rhs):
@@ -277,17 +329,18 @@ def kda_chunked(
       segmented=cn.has_segments,
       init_given=initial_state is not None and cn.has_segments,
       output_final_state=output_final_state,
-      bounded=use_gate_in_kernel and lower_bound is not None)
+      block=block_size(lower_bound, use_gate_in_kernel))
   return common.finish(o, final, dtype=q.dtype, has_segments=cn.has_segments,
                        output_final_state=output_final_state)
 
 
 def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
-                  init_given, output_final_state, bounded):
+                  init_given, output_final_state, block):
   """Canonical float32 inputs -> (o [B,T,H,V] f32, finals [B,N,H,K,V])."""
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   n_seg = init.shape[1]
+  sub, bounded = block
   c = CHUNK
   nc = -(-t // c)
   pad = nc * c - t
@@ -318,13 +371,15 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
   else:
     run_c = start_c = None
 
-  dec = _intra_chunk(qc, kc, gc, run_c, start_c, segmented, bounded)
+  dec = _intra_chunk(qc, kc, gc, run_c, start_c, segmented, bounded, sub)
   a_qk = dec.a_qk
 
   # UT transform: (I + A) [W | U] = Diag(beta) [exp(G) K | V].
   rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
   beta_rows = bc.reshape(bc.shape[:-1] + (c // SUB, 1, SUB, 1))
-  wu = _unit_lower_solve(dec.a_kk * beta_rows, rhs)
+  # The solve always works on 16 x 16 blocks (its numerics do not depend on
+  # how the scores were factored).
+  wu = _unit_lower_solve(_reblock(dec.a_kk, SUB) * beta_rows, rhs)
   w, u = wu[..., :kd], wu[..., kd:]
   q_dec = qc * dec.read  # reads the chunk-start state
 
@@ -430,7 +485,7 @@ def _segment_finals(init, init0, run_index, run_seg, carried, G, gc, kc, v_new,
   G_e = jnp.take_along_axis(G_n, e[:, :, None, None, None], axis=-2)
   upto_e = jnp.where((tok[None, None, :] <= e[..., None])[:, :, None, :, None],
                      g_n, 0.0)
-  decay = _exp_masked(_sum_after(upto_e, axis=-2),
+  decay = _exp_masked(_sum_after(upto_e),
                       mine[:, :, None, :, None])  # [B,N,H,C,K]: (j, e]
   write = jnp.einsum("bnhck,bnhcv->bnhkv", k_n * decay, v_n)
   e_cont = jnp.take_along_axis(cont_n, e[..., None], axis=-1)[..., 0]
