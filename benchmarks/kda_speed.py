@@ -19,6 +19,10 @@ temporary memory XLA's compiler plans for the computation
 
 Outputs of every implementation are checked against ours (relative L2) and
 the check is printed, so a fast wrong path cannot hide.
+
+First, `--train_step=mqar` (default; `none` skips it) times the default
+experiment's whole jitted training step (model, loss, AdamW update) with
+each KDA backend and reports steps/s and tokens/s.
 """
 
 import argparse
@@ -145,6 +149,47 @@ def bench_shape(shape, repeats, mm_rate):
   return rows
 
 
+def bench_train_step(repeats, config_name="mqar"):
+  """Steps/s and tokens/s of the default experiment's jitted training step.
+
+  The config file's own model, batch and sequence length (configs/mqar.py:
+  2 layers, B=32, T=256), once per KDA backend; the same batch and parameters
+  for each, interleaved like the op timings.
+  """
+  # Imported here: the op benchmark does not need the experiment stack.
+  from configs import delayed_copy, mqar  # pylint: disable=g-import-not-at-top
+  from experiments import config_lib  # pylint: disable=g-import-not-at-top
+  from experiments import tasks  # pylint: disable=g-import-not-at-top
+  from experiments import train  # pylint: disable=g-import-not-at-top
+
+  base = {"mqar": mqar, "delayed_copy": delayed_copy}[config_name].get_config()
+  fns, inputs = {}, None
+  for backend in ("chunked", "reference"):
+    config = config_lib.apply_diff(base, {"model.kda.backend": backend})
+    prog = train.build_program(config)
+    if inputs is None:
+      batch = prog.task.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0),
+                               config.train.batch_size).as_dict()
+      params = prog.init(jax.random.key(0), batch["inputs"][:1])
+      inputs = (params, prog.optimizer.init(params), batch)
+    fns[backend] = prog.train_step
+    jax.block_until_ready(prog.train_step(*inputs))  # compile
+  secs = time_many(fns, inputs, repeats)
+  tokens = base.train.batch_size * base.task.seq_len
+  return [dict(config=config_name, backend=name, ms=s * 1e3,
+               steps_per_second=1 / s, tokens_per_second=tokens / s)
+          for name, s in secs.items()]
+
+
+def markdown_train(rows):
+  lines = ["| config | KDA backend | ms / step | steps/s | tokens/s |",
+           "|---|---|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['config']} | {r['backend']} | {r['ms']:.0f} |"
+                 f" {r['steps_per_second']:.2f} | {r['tokens_per_second']:.0f} |")
+  return "\n".join(lines)
+
+
 def markdown(rows, mm_rate):
   lines = [
       f"f32 matmul rate (2048^3, same process): {mm_rate:.0f} GFLOP/s",
@@ -170,22 +215,34 @@ def main():
   parser.add_argument("--shapes", default="all",
                       help="'all' or e.g. '1x4096x4x64,1x1024x4x64'")
   parser.add_argument("--out", default="benchmarks/results/kda_speed_cpu.json")
+  parser.add_argument("--train_step", default="mqar",
+                      help="config whose training step is timed per backend"
+                      " ('mqar', 'delayed_copy' or 'none')")
   a = parser.parse_args()
   shapes = SHAPES if a.shapes == "all" else [
       tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
   mm_rate = matmul_gflops()
-  rows = []
+  rows, train_rows = [], []
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-  for shape in shapes:  # results are saved after every shape
-    rows += bench_shape(shape, a.repeats, mm_rate)
-    print(markdown(rows, mm_rate), flush=True)
+
+  def save():  # after every piece, so an interrupted run keeps the rest
     with open(a.out, "w") as f:
       json.dump(dict(machine=dict(platform=platform.platform(),
                                   cpu_count=os.cpu_count(),
                                   device=str(jax.devices()[0]),
                                   jax=jax.__version__),
-                     matmul_gflops=mm_rate, rows=rows), f, indent=1)
+                     matmul_gflops=mm_rate, rows=rows,
+                     train_step=train_rows), f, indent=1)
     print(f"\nwrote {a.out}", flush=True)
+
+  if a.train_step != "none":
+    train_rows = bench_train_step(a.repeats, a.train_step)
+    print(markdown_train(train_rows), flush=True)
+    save()
+  for shape in shapes:
+    rows += bench_shape(shape, a.repeats, mm_rate)
+    print(markdown(rows, mm_rate), flush=True)
+    save()
 
 
 if __name__ == "__main__":

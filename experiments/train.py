@@ -244,7 +244,7 @@ _PROGRAMS: "collections.OrderedDict[str, _Program]" = collections.OrderedDict()
 _MAX_PROGRAMS = 4
 
 
-def _program(config) -> _Program:
+def build_program(config) -> _Program:
   """Builds (or reuses) the task, model and jitted steps for `config`."""
   key = config.to_json_best_effort(sort_keys=True)
   if key in _PROGRAMS:
@@ -324,7 +324,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   tr = config.train
-  prog = _program(config)
+  prog = build_program(config)
   task, model, optimizer, schedule = (prog.task, prog.model, prog.optimizer,
                                       prog.schedule)
   train_step, eval_step = prog.train_step, prog.eval_step

@@ -15,6 +15,7 @@ import numpy as np
 
 from linear_attention import ops
 from linear_attention import testing
+from linear_attention.ops.kda import chunked
 from tests.kda_oracle import kda_numpy
 
 GRAD_ARGS = ("q", "k", "v", "g", "beta", "a_log", "dt_bias", "initial_state")
@@ -196,6 +197,19 @@ class ChunkedVsReferenceTest(chex.TestCase):
       args, kw = make_inputs(case)
       o, s, g = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
       chex.assert_tree_all_finite((o, s, g))
+
+
+class ChunkedBlockSizeTest(parameterized.TestCase):
+  # The cases above at -2.5 and -1 run the 32- and 64-token paths only if
+  # the bound selects them.
+
+  @parameterized.parameters(
+      (-5.0, True, (16, True)), (-3.0, True, (16, True)),
+      (-2.5, True, (32, True)), (-1.25, True, (64, True)),
+      (-1.0, True, (64, True)), (None, True, (16, False)),
+      (-1.0, False, (16, False)))
+  def test_block_size(self, lower_bound, fused, expected):
+    self.assertEqual(chunked.block_size(lower_bound, fused), expected)
 
 
 class MosaicVsReferenceTest(parameterized.TestCase):
