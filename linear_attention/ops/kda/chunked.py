@@ -61,8 +61,8 @@ def block_size(lower_bound, use_gate_in_kernel) -> tuple[int, bool]:
   spans at most S * |lower_bound|; the diagonal blocks may factor as
   exp(incl_i) exp(-incl_j) when that is <= 80. At -5 that is 16 tokens; at
   -2.5, 32; from -1.25 up, the whole 64-token chunk is one block (no
-  off-diagonal products, one 64 x 64 solve). Other gates: 16, with a runtime
-  check (`bounded` False).
+  off-diagonal products). Other gates: 16, with a runtime check (`bounded`
+  False).
   """
   if not (use_gate_in_kernel and lower_bound is not None):
     return SUB, False
@@ -159,14 +159,14 @@ def _block_sums(tot, relation):
 def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
   """Decays and masked score matrices for all chunks at once.
 
-  Cut each chunk into NB = C / 16 blocks. With incl[i] the sum of g over
-  [block start, i] and after[j] the sum over (j, block end], a pair j < i in
+  Cut each chunk into NB = C / S blocks (S = `sub`). With incl[i] the sum of
+  g over [block start, i] and after[j] the sum over (j, block end], a pair j < i in
   different blocks m < n factors exactly into three exponents, each <= 0:
 
       G_i - G_j = incl[i] + (sum of the whole blocks between m and n) + after[j]
 
   so the off-diagonal scores are one einsum of [C, K] factors. Inside a block,
-  when every |incl| <= 80 (always under a lower-bound gate: 16 * 5), the pair
+  when every |incl| <= 80 (always under a lower-bound gate: S * |bound|), the pair
   factors as exp(incl[i]) exp(-incl[j]), both finite in float32; otherwise
   (pre-activated or softplus decays that can be huge) a runtime branch uses
   the exact masked exponent on [NB, 16, 16, K].
@@ -176,7 +176,7 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
     run: [..., C] run index per token (segmented only).
     starts: [..., C] bool, token starts a run (segmented only).
     segmented: static; False means one run per chunk.
-    bounded: static; True when every g >= -80 / sub (lower-bound gate).
+    bounded: static; True when a lower-bound gate keeps sub * |g| <= 80.
     sub: static block size (see `block_size`).
 
   Returns:
