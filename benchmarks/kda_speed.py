@@ -7,7 +7,8 @@ For each shape (B, T, H, K=V) it times the forward and the forward+backward
 `chunked` backends and tokamax 0.0.17's `xla_chunked` and `xla`, on the same
 inputs: f32, lower-bound gate fused in the op (-5), q/k L2 norm. Timing is
 plain JAX: compile, warm up, then the median of `--repeats` runs, the
-implementations interleaved so that machine noise hits all of them alike.
+implementations interleaved (in an order that rotates every round) so that
+machine noise and cold caches hit all of them alike.
 
 Reported per row: median milliseconds, the ratio of tokamax's time to ours
 (> 1 means we are faster), achieved GFLOP/s by the Kimi Linear FLOP count
@@ -91,12 +92,20 @@ def fwd_bwd(f):
 
 
 def time_many(fns, args, repeats):
-  """Median seconds per call of each jitted fn, interleaved."""
+  """Median seconds per call of each jitted fn, interleaved.
+
+  The order rotates every round: on the 2-core dev machine the call that
+  follows a large one (say tokamax `xla`'s backward, 1 GiB of temporaries)
+  ran a KDA forward up to 1.8x slower, so no implementation may always take
+  that place.
+  """
   times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
+  names = list(fns)
+  for r in range(repeats):
+    shift = r % len(names)
+    for name in names[shift:] + names[:shift]:
       start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
+      jax.block_until_ready(fns[name](*args))
       times[name].append(time.perf_counter() - start)
   return {name: statistics.median(ts) for name, ts in times.items()}
 

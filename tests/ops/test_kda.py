@@ -178,8 +178,9 @@ class ChunkedVsReferenceTest(chex.TestCase):
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
 
-  def test_bfloat16_inputs(self):
-    case = Case(t=100, segments=True, dtype="bfloat16")
+  @parameterized.parameters(True, False)
+  def test_bfloat16_inputs(self, segments):
+    case = Case(t=100, segments=segments, dtype="bfloat16")
     args, kw = make_inputs(case)
     actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
     # The oracle runs the same bf16-rounded inputs in float32.

@@ -50,6 +50,7 @@ carried state, and tokens of a run that starts inside it read their segment's
 initial state.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -397,14 +398,16 @@ def group_size(num_chunks, batch_heads, head_dim):
   return -(-num_chunks // groups), groups
 
 
-def _grouped_core(q, k, v, g, beta, init, *, output_final_state, block):
-  """Canonical float32 inputs without segments -> (o, finals [B,1,H,K,V]).
+def _grouped_core(q, k, v, g, beta, init, *, prep, output_final_state, block):
+  """Raw inputs without segments -> (o [B,T,H,V] f32, finals [B,1,H,K,V]).
 
   The same chunk math as `_chunked_core`, computed group by group: a
   `lax.scan` over groups of `group_size` chunks (all heads and rows of the
-  batch) carries the state; inside a step, the intra-chunk work of the
-  group is batched, the group's chunk states follow one affine map each, and
-  the outputs are read. A whole-sequence pass makes every intermediate
+  batch) carries the state [B * H, K, V] (`init` [B, H, K, V] float32).
+  Inside a step, the group's tokens are prepared (`prep`: `common.prepare`
+  on a slice; gates, L2 norm, casts), cut into chunks, their intra-chunk work
+  is batched, the group's chunk states follow one affine map each, and the
+  outputs are read. A whole-sequence pass makes every intermediate
   ([.., C, C] scores, [.., C, K] factors) a DRAM round trip; per group they
   stay in cache, which on a CPU halves the forward. The step is
   `jax.checkpoint`ed: the backward recomputes a group from its inputs and
@@ -415,19 +418,28 @@ def _grouped_core(q, k, v, g, beta, init, *, output_final_state, block):
   c = CHUNK
   sub, bounded = block
   gs, ng = group_size(-(-t // c), b * h, kd)
-  pad = ng * gs * c - t
-  if pad:  # zero k, v, beta and g: the padding neither writes nor decays
+  span = gs * c
+  pad = ng * span - t
+  if pad:  # padding writes nothing (k, v, beta = 0); its g is zeroed below
     pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
 
-  # [B, T, H, *] -> [NG, GS, B * H, C, *]
-  split = lambda x: jnp.transpose(
-      x.reshape((b, ng, gs, c, h, -1)), (1, 2, 0, 4, 3, 5)).reshape(
-          ng, gs, b * h, c, -1)
-  xs = tuple(map(split, (q, k, v, g))) + (split(beta[..., None])[..., 0],)
+  # [B, T, H, *] -> [NG, B, GS * C, H, *] (a reshape when B = 1)
+  to_groups = lambda x: jnp.moveaxis(x.reshape((b, ng, span) + x.shape[2:]),
+                                     1, 0)
+  xs = tuple(map(to_groups, (q, k, v, g, beta)))
+  xs += ((jnp.arange(ng * span) < t).reshape(ng, span),)
+  # [B, GS * C, H, *] -> [GS, B * H, C, *], in cache
+  chunks = lambda x: jnp.transpose(x.reshape((b, gs, c, h, -1)),
+                                   (1, 0, 3, 2, 4)).reshape(gs, b * h, c, -1)
 
   def step(state, group):
-    qc, kc, vc, gc, bc = group  # [GS, B * H, C, *]
+    *raw, real = group
+    qg, kg, vg, gg, bg = prep(*raw)[:5]
+    if pad:  # padding does not decay the state
+      gg = jnp.where(real[None, :, None, None], gg, 0.0)
+    qc, kc, vc, gc = map(chunks, (qg, kg, vg, gg))
+    bc = chunks(bg[..., None])[..., 0]
     dec = _intra_chunk(qc, kc, gc, None, None, False, bounded, sub)
     w, u, q_dec, trans, bias = _affine_maps(qc, kc, vc, bc, dec)
     carried = []  # the state entering each chunk of the group
@@ -436,14 +448,13 @@ def _grouped_core(q, k, v, g, beta, init, *, output_final_state, block):
       state = _mm(trans[j], state) + bias[j]
     carried = jnp.stack(carried)  # [GS, B * H, K, V]
     o = _mm(q_dec, carried) + _mm(dec.a_qk, u - _mm(w, carried))
-    return state, o
+    o = jnp.transpose(o.reshape(gs, b, h, c, vd), (1, 0, 3, 2, 4))
+    return state, o.reshape(b, span, h, vd)
 
-  carry0 = common.vary_like(init[:, 0].reshape(b * h, kd, vd), xs, init)
+  carry0 = common.vary_like(init.reshape(b * h, kd, vd), xs, init)
   last, o = jax.lax.scan(jax.checkpoint(step, prevent_cse=False), carry0, xs)
-  o = jnp.transpose(o.reshape(ng, gs, b, h, c, vd), (2, 0, 1, 4, 3, 5))
-  o = o.reshape(b, ng * gs * c, h, vd)[:, :t]
-  finals = last.reshape(b, 1, h, kd, vd) if output_final_state else init
-  return o, finals
+  o = jnp.moveaxis(o, 0, 1).reshape(b, ng * span, h, vd)[:, :t]
+  return o, last.reshape(b, 1, h, kd, vd)
 
 
 def kda_chunked(
@@ -452,22 +463,29 @@ def kda_chunked(
     output_final_state=False, segment_ids=None, max_num_segments=None,
 ):
   """See `linear_attention.ops.kimi_delta_attention` for the arguments."""
-  cn = common.prepare(
-      q, k, v, g, beta, scale=scale, a_log=a_log, dt_bias=dt_bias,
+  prep = functools.partial(
+      common.prepare, scale=scale, a_log=a_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-      use_qk_l2norm=use_qk_l2norm, initial_state=initial_state,
-      segment_ids=segment_ids, max_num_segments=max_num_segments)
+      use_qk_l2norm=use_qk_l2norm, max_num_segments=max_num_segments)
   block = block_size(lower_bound, use_gate_in_kernel)
-  if cn.has_segments:
+  has_segments = segment_ids is not None
+  if has_segments:
+    cn = prep(q, k, v, g, beta, initial_state=initial_state,
+              segment_ids=segment_ids)
     o, final = _chunked_core(
         cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
         init_given=initial_state is not None,
         output_final_state=output_final_state, block=block)
   else:
-    o, final = _grouped_core(
-        cn.q, cn.k, cn.v, cn.g, cn.beta, cn.initial_state,
-        output_final_state=output_final_state, block=block)
-  return common.finish(o, final, dtype=q.dtype, has_segments=cn.has_segments,
+    b, _, h, kd = q.shape
+    init = (jnp.zeros((b, h, kd, v.shape[-1]), jnp.float32)
+            if initial_state is None else initial_state.astype(jnp.float32))
+    # Tokens are prepared group by group, inside the grouped scan.
+    per_token = functools.partial(prep, initial_state=None, segment_ids=None)
+    o, final = _grouped_core(q, k, v, g, beta, init, prep=per_token,
+                             output_final_state=output_final_state,
+                             block=block)
+  return common.finish(o, final, dtype=q.dtype, has_segments=has_segments,
                        output_final_state=output_final_state)
 
 
