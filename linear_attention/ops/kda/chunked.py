@@ -249,7 +249,7 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
 
   row = jnp.exp(incl)
   q_row, k_row = q * row, k * row
-  rows = jnp.concatenate([blocks(q_row), blocks(k_row)], axis=-2)  # [.., NB, 2S, K]
+  rows = jnp.concatenate([blocks(q_row), blocks(k_row)], axis=-2)  # 2S rows
   col = jnp.exp(after)
   k_col = blocks(k * col)  # [..., NB, S, K]
   bi = jnp.arange(nb)
@@ -398,7 +398,7 @@ def group_size(num_chunks, batch_heads, head_dim):
   return -(-num_chunks // groups), groups
 
 
-def _grouped_core(q, k, v, g, beta, init, *, prep, output_final_state, block):
+def _grouped_core(q, k, v, g, beta, init, *, prep, block):
   """Raw inputs without segments -> (o [B,T,H,V] f32, finals [B,1,H,K,V]).
 
   The same chunk math as `_chunked_core`, computed group by group: a
@@ -483,7 +483,6 @@ def kda_chunked(
     # Tokens are prepared group by group, inside the grouped scan.
     per_token = functools.partial(prep, initial_state=None, segment_ids=None)
     o, final = _grouped_core(q, k, v, g, beta, init, prep=per_token,
-                             output_final_state=output_final_state,
                              block=block)
   return common.finish(o, final, dtype=q.dtype, has_segments=has_segments,
                        output_final_state=output_final_state)
@@ -542,7 +541,7 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
     trans_c, bias_c, keep, fresh = xs
     x = jnp.where(keep[:, None, None, None], state,
                   fresh if init_given else 0.0)
-    return jnp.einsum("bhkj,bhjv->bhkv", trans_c, x) + bias_c, state
+    return _mm(trans_c, x) + bias_c, state
 
   xs = [jnp.moveaxis(trans, 1, 0), jnp.moveaxis(bias, 1, 0),
         jnp.moveaxis(last_cont, 1, 0),
@@ -554,8 +553,7 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
   _, carried = jax.lax.scan(step, carry0, xs)
   carried = jnp.moveaxis(carried, 0, 1)  # [B, NC, H, K, V]
 
-  w_x, q_x = jnp.einsum("rbnhck,bnhkv->rbnhcv", jnp.stack([w, q_dec]),
-                        carried)
+  w_x, q_x = _mm(w, carried), _mm(q_dec, carried)
   cont_f = cont[..., None].astype(jnp.float32)
   w_x, q_x = w_x * cont_f, q_x * cont_f
   if init_given:
@@ -566,7 +564,7 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
     w_x = w_x + fresh * _read_init(w, init0, tok_seg)
     q_x = q_x + fresh * _read_init(q_dec, init0, tok_seg)
   v_new = u - w_x
-  o = q_x + jnp.einsum("...ij,...jv->...iv", a_qk, v_new)
+  o = q_x + _mm(a_qk, v_new)
 
   o = jnp.moveaxis(o, 2, 3).reshape(b, nc * c, h, vd)[:, :t]
   o = jnp.where(valid[..., None, None], o, 0.0)
