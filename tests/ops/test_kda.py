@@ -6,6 +6,7 @@ outputs, final states, and every gradient under random cotangents
 """
 
 import dataclasses
+from unittest import mock
 
 from absl.testing import parameterized
 import chex
@@ -177,8 +178,9 @@ class ChunkedVsReferenceTest(chex.TestCase):
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
 
-  def test_bfloat16_inputs(self):
-    case = Case(t=100, segments=True, dtype="bfloat16")
+  @parameterized.parameters(True, False)
+  def test_bfloat16_inputs(self, segments):
+    case = Case(t=100, segments=segments, dtype="bfloat16")
     args, kw = make_inputs(case)
     actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
     # The oracle runs the same bf16-rounded inputs in float32.
@@ -210,6 +212,37 @@ class ChunkedBlockSizeTest(parameterized.TestCase):
       (-1.0, False, (16, False)))
   def test_block_size(self, lower_bound, fused, expected):
     self.assertEqual(chunked.block_size(lower_bound, fused), expected)
+
+
+class ChunkedGroupsTest(parameterized.TestCase):
+  # Without segments the chunks run in groups (chunked.group_size, ~16
+  # chunk-heads of K = 64 per scan step): small cases hold one group, so
+  # these shrink the group width to force several groups, a padded last
+  # group, and every block size (b=1, h=2, k=16: width 32 per chunk).
+
+  @parameterized.named_parameters(
+      ("groups_of_1", 32, Case(t=257, b=1)),
+      ("groups_of_2_padded_bound_2_5", 64, Case(t=257, b=1,
+                                                 lower_bound=-2.5)),
+      ("groups_of_3_bound_1", 96, Case(t=257, b=1, lower_bound=-1.0)),
+      ("groups_of_2_decay_minus_1000", 64, Case(
+          t=200, b=1, gate="preactivated", g_min=-1000.0)),
+  )
+  def test_forward_and_gradients(self, width, case):
+    args, kw = make_inputs(case)
+    with mock.patch.object(chunked, "_GROUP_WIDTH", width):
+      actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
+    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    assert_all_close(actual, expected, rtol=1e-5)
+
+  @parameterized.parameters(
+      ((64, 4, 64), (4, 16)),  # (1, 4096, 4, 64): 16 steps of 4 chunks
+      ((65, 4, 64), (4, 17)),  # one chunk more: 68 chunks, 3 padded
+      ((32, 16, 128), (1, 32)),  # wide heads: one chunk per step
+      ((3, 1, 16), (3, 1)),  # short sequence: one step
+  )
+  def test_group_size(self, args, expected):
+    self.assertEqual(chunked.group_size(*args), expected)
 
 
 class MosaicVsReferenceTest(parameterized.TestCase):

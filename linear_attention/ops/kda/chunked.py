@@ -12,10 +12,18 @@ log decay from the chunk start up to and including token i:
     X_next    = exp(G_C) * X + (exp(G_C - G) * K)^T V_new
 
 X_next is affine in X: X_next = T_c X + R_c with T_c = Diag(exp(G_C)) -
-(exp(G_C - G) K)^T W and R_c = (exp(G_C - G) K)^T U. All intra-chunk work is
-batched over every chunk at once; only the affine maps are scanned (one K x K
-by K x V matmul per chunk), and the outputs are then computed for all chunks
-in one batched pass from the chunk-start states.
+(exp(G_C - G) K)^T W and R_c = (exp(G_C - G) K)^T U.
+
+Schedule (`_grouped_core`, inputs without segments). A `lax.scan` over groups
+of chunks (about 16 chunk-heads of K = 64 each) carries the state: inside a
+step the group's intra-chunk work is batched (scores, solve, affine maps),
+its chunk states follow the affine maps, and its outputs are read. Every
+intermediate stays in cache; a whole-sequence pass makes each one a DRAM
+round trip (on the 2-core dev machine, memory past the 32 MiB L3 streams at
+~3 GiB/s). The step is `jax.checkpoint`ed, so the backward recomputes a
+group from its inputs and state instead of storing [.., C, C] residuals.
+With segments (`_chunked_core`), the same pieces run over all chunks at once
+and only the affine maps are scanned.
 
 Numerics. Nothing overflows at any decay (a chunk of 64 tokens at
 lower_bound=-5 spans -320; pre-activated decays may go to -1000 and below):
@@ -25,13 +33,21 @@ cumulative sums, which would lose ulp(G) of absolute precision). The chunk is
 cut into blocks of S tokens (`block_size`: 16; 32 or 64 under a lower-bound
 gate above -5, where S * |lower_bound| <= 80). A pair in different blocks
 factors exactly into three exponents, each <= 0: within the row's block, the
-whole blocks between, and within the column's block, so the off-diagonal
-scores are einsums of [C, K] factors. Inside a block the pair factors as
-exp(incl_i) exp(-incl_j) when |incl| <= 80 (always under a lower-bound gate);
-otherwise a runtime branch uses the exact masked exponent on [16, 16, K].
-Range sums are matmuls with 0/1 matrices (`_range_sums`); the unit lower
-solve always uses 16 x 16 blocks. Accumulation is float32 throughout.
-Measured against a float64 recurrence: ~2e-7 relative L2.
+whole blocks between, and within the column's block, so each block's scores
+are one matmul of [2S, K] rows and [C, K] columns. Inside a block the pair
+factors as exp(incl_i) exp(-incl_j) when |incl| <= 80 (always under a
+lower-bound gate); otherwise a runtime branch uses the exact masked exponent
+on [16, 16, K]. Range sums are matmuls with 0/1 matrices (`_range_sums`);
+the UT transform forms (I + A)^-1 explicitly from 16 x 16 blocks
+(`_ut_solve`). Accumulation is float32 throughout.
+
+Gradients. Range sums, the UT solve and the matmuls whose autodiff form is
+slow on CPU have custom VJPs (closed forms; a forward+backward at
+(1, 4096, 4, 64) is ~30% faster than with autodiff through them), so the
+backend supports reverse-mode differentiation only (`jax.grad`, `jax.vjp`;
+`jax.jvp` raises).
+Measured against a float64 recurrence at T = 4096 (bounds -5 and -1): 4e-7
+relative L2 on the output.
 
 Packed segments (see `common`): a run of a segment may start anywhere inside a
 chunk. Cumulative decays restart at each run start, A and A_qk are masked to
@@ -40,10 +56,12 @@ carried state, and tokens of a run that starts inside it read their segment's
 initial state.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linear_attention.ops.kda import common
 
@@ -84,27 +102,84 @@ def _segmented_cumsum(x, starts, axis):
   return jax.lax.associative_scan(combine, (starts, x), axis=axis)[1]
 
 
-def _range_sums(x, relation):
-  """y[i] = sum of x[j] over the tokens j with relation(i, j), x [..., S, K].
+def _range_sums(x, size, relation):
+  """y[i] = sum of x[j] over j in i's block of `size` with relation(i, j).
 
-  A matmul with a 0/1 matrix: each output is the float32 sum of exactly its
-  range (HIGHEST precision: no reduced-precision passes on GPU/TPU). On CPU
-  this is several times faster than `lax.cumsum`, which XLA lowers to a
-  quadratic reduce-window, and its transpose is another such matmul.
+  Along axis -2 of x [..., S, K]. A matmul with a 0/1 matrix: each output is
+  the float32 sum of exactly its range (HIGHEST precision: no
+  reduced-precision passes on GPU/TPU), and its transpose is another such
+  matmul. On CPU this is several times faster than `lax.cumsum` (a quadratic
+  reduce-window), and the scores come out more accurate than from
+  `lax.associative_scan` sums (tested against float64: the a_log gradient's
+  error halves at lower_bound=-2.5). The 0/1 matrix is broadcast over the
+  batch, so the product is a batched matmul whose output is already in x's
+  layout, and the VJP multiplies by the transposed matrix the same way
+  (autodiff would transpose the data instead).
   """
-  i = jnp.arange(x.shape[-2])
-  mask = relation(i[:, None], i[None, :]).astype(x.dtype)
-  return jnp.einsum("ij,...jk->...ik", mask, x, precision=_HIGHEST)
+  i = np.arange(x.shape[-2])
+  mask = (relation(i[:, None], i[None, :])
+          & (i[:, None] // size == i[None, :] // size)).astype(np.float32)
+  batch, (s, k) = x.shape[:-2], x.shape[-2:]
+
+  def apply(m, y):
+    y3 = y.reshape((-1, s, k))
+    mb = jnp.broadcast_to(jnp.asarray(m, y.dtype), (y3.shape[0], s, s))
+    out = jax.lax.dot_general(mb, y3, (((2,), (1,)), ((0,), (0,))),
+                              precision=_HIGHEST)
+    return out.reshape(batch + (s, k))
+
+  @jax.custom_vjp
+  def sums(y):
+    return apply(mask, y)
+
+  sums.defvjp(lambda y: (apply(mask, y), None),
+              lambda _, g: (apply(mask.T, g),))
+  return sums(x)
 
 
-def _sum_upto(x):
-  """y[i] = sum of x[j] for j <= i along axis -2 (inclusive cumsum)."""
-  return _range_sums(x, lambda i, j: j <= i)
+def _transposed(x):
+  """x with its last two axes swapped, as an array of its own."""
+  return jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2))
 
 
-def _sum_after(x):
-  """y[i] = sum of x[j] for j > i along axis -2 (exclusive reverse cumsum)."""
-  return _range_sums(x, lambda i, j: j > i)
+@jax.custom_vjp
+def _mm(a, b):
+  """a @ b for [..., M, K] x [..., K, N] with equal batch axes.
+
+  Its VJP computes a^T g from a materialised a^T: autodiff's form contracts
+  over a's major axis, which XLA:CPU sends to a dot path ~2x slower.
+  """
+  return a @ b
+
+
+def _mm_fwd(a, b):
+  return a @ b, (a, b)
+
+
+def _mm_bwd(res, g):
+  a, b = res
+  return _mm_nt(g, b), _transposed(a) @ g
+
+
+_mm.defvjp(_mm_fwd, _mm_bwd)
+
+
+@jax.custom_vjp
+def _mm_nt(a, b):
+  """a @ b^T for [..., M, K] x [..., N, K] with equal batch axes (see `_mm`)."""
+  return jnp.einsum("...ik,...jk->...ij", a, b)
+
+
+def _mm_nt_fwd(a, b):
+  return _mm_nt(a, b), (a, b)
+
+
+def _mm_nt_bwd(res, g):
+  a, b = res
+  return g @ b, _transposed(g) @ a
+
+
+_mm_nt.defvjp(_mm_nt_fwd, _mm_nt_bwd)
 
 
 def _exp_masked(x, mask):
@@ -138,7 +213,7 @@ class ChunkDecays(NamedTuple):
   read: jax.Array  # [..., C, K] exp(G_i): token i reads the chunk-start state
   to_end: jax.Array  # [..., C, K] exp(G_last - G_j), within the last run
   total: jax.Array  # [..., K] exp(G_last)
-  a_kk: jax.Array  # [..., NB, NB, S, S] strictly lower k_i.(exp(G_i - G_j) k_j)
+  a_kk: jax.Array  # [..., C, C] strictly lower k_i.(exp(G_i - G_j) k_j)
   a_qk: jax.Array  # [..., C, C] lower (incl. diagonal) q_i.(exp(G_i - G_j) k_j)
   G: jax.Array | None  # [..., C, K] run-restarting cumulative decay (segments)
 
@@ -153,23 +228,29 @@ def _block_sums(tot, relation):
   nb = tot.shape[-2]
   i = jnp.arange(nb)
   mask = relation(i[:, None, None], i[None, :, None], i[None, None, :])
-  return jnp.einsum("nml,...lk->...nmk", mask.astype(tot.dtype), tot)
+  return jnp.einsum("nml,...lk->...nmk", mask.astype(tot.dtype), tot,
+                    precision=_HIGHEST)
 
 
 def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
   """Decays and masked score matrices for all chunks at once.
 
   Cut each chunk into NB = C / S blocks (S = `sub`). With incl[i] the sum of
-  g over [block start, i] and after[j] the sum over (j, block end], a pair j < i in
-  different blocks m < n factors exactly into three exponents, each <= 0:
+  g over [block start, i] and after[j] the sum over (j, block end], a pair
+  j < i with i in block n and j in an earlier block m factors exactly into
+  three exponents, each <= 0:
 
       G_i - G_j = incl[i] + (sum of the whole blocks between m and n) + after[j]
 
-  so the off-diagonal scores are one einsum of [C, K] factors. Inside a block,
-  when every |incl| <= 80 (always under a lower-bound gate: S * |bound|), the pair
-  factors as exp(incl[i]) exp(-incl[j]), both finite in float32; otherwise
-  (pre-activated or softplus decays that can be huge) a runtime branch uses
-  the exact masked exponent on [NB, 16, 16, K].
+  Inside a block, when every |incl| <= 80 (always under a lower-bound gate:
+  S * |bound|), the pair factors as exp(incl[i]) exp(-incl[j]), both finite
+  in float32. So the rows of block n are (q | k) * exp(incl), and its columns
+  are k_j * exp(between + after[j]) left of the block and k_j * exp(-incl[j])
+  inside it: all scores of block n are one [2S, K] x [K, C] matmul, batched
+  over blocks and chunks (the [NB, C, K] column tensor is the only copy).
+  When the decays are unbounded (pre-activated or softplus gates) and some
+  |incl| > 80, a runtime branch computes the diagonal blocks with the exact
+  masked exponent on [NB, 16, 16, K] instead.
 
   Args:
     q, k, g: [..., C, K] (q scaled); g the log decay (<= 0).
@@ -186,93 +267,82 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
   nb = c // sub
   batch = g.shape[:-2]
   blocks = lambda x: x.reshape(batch + (nb, sub, x.shape[-1]))
-  gb, qb, kb = blocks(g), blocks(q), blocks(k)
-  incl = _sum_upto(gb)  # [..., NB, S, K]
-  after = _sum_after(gb)
-  tot = incl[..., -1, :]  # [..., NB, K]
+  incl = _range_sums(g, sub, lambda i, j: j <= i)  # [..., C, K]
+  after = _range_sums(g, sub, lambda i, j: j > i)
+  tot = incl[..., sub - 1::sub, :]  # [..., NB, K] whole-block sums
 
   row = jnp.exp(incl)
-  q_row, k_row = qb * row, kb * row
+  q_row, k_row = q * row, k * row
+  rows = jnp.concatenate([blocks(q_row), blocks(k_row)], axis=-2)  # 2S rows
   col = jnp.exp(after)
-  k_col = kb * col
+  k_col = blocks(k * col)  # [..., NB, S, K]
+  bi = jnp.arange(nb)
   between = _block_sums(tot, lambda n, m, l: (m < l) & (l < n))
-  lower_blocks = jnp.arange(nb)[:, None] > jnp.arange(nb)[None, :]
-  mid = _exp_masked(between, lower_blocks[..., None])  # [..., NB, NB, K]
-  off = lambda rows: jnp.einsum("...nsk,...nmk,...mtk->...nmst", rows, mid,
-                                k_col)
+  mid = _exp_masked(between, (bi[:, None] > bi[None, :])[..., None])
+  on_diag = (bi[:, None] == bi[None, :])[:, :, None, None]
 
-  s = jnp.arange(sub)
-  incl_mask = s[:, None] >= s[None, :]
-  strict_mask = s[:, None] > s[None, :]
-  if segmented:
-    same = run[..., :, None] == run[..., None, :]  # [..., C, C]
-    same_b = jnp.stack(
-        [same[..., i * sub:(i + 1) * sub, i * sub:(i + 1) * sub]
-         for i in range(nb)], axis=-3)  # [..., NB, S, S]
-    incl_mask, strict_mask = incl_mask & same_b, strict_mask & same_b
+  def scores(diag_cols):
+    # cols[n, m]: the columns of block m as seen from the rows of block n
+    cols = jnp.where(on_diag, diag_cols[..., None, :, :, :],
+                     mid[..., :, :, None, :] * k_col[..., None, :, :, :])
+    a = _mm_nt(rows, cols.reshape(batch + (nb, c, kd)))  # [..., NB, 2S, C]
+    return (a[..., :sub, :].reshape(batch + (c, c)),
+            a[..., sub:, :].reshape(batch + (c, c)))
 
   def factored(_):
-    k_inv = kb * jnp.exp(-incl)  # <= exp(80)
-    d_qk = jnp.einsum("...nsk,...ntk->...nst", q_row, k_inv)
-    d_kk = jnp.einsum("...nsk,...ntk->...nst", k_row, k_inv)
-    return jnp.where(incl_mask, d_qk, 0.0), jnp.where(strict_mask, d_kk, 0.0)
+    return scores(blocks(k * jnp.exp(-incl)))  # <= exp(80)
 
   def exact(_):
+    a_qk, a_kk = scores(jnp.zeros(batch + (nb, sub, kd), k.dtype))
+    gb, qb, kb = blocks(g), blocks(q), blocks(k)
+    s = jnp.arange(sub)
     # pair[s, t] = sum over (t, s] of g: cumsum over u of g_u 1[u > t].
     after_t = jnp.where((s[None, :] > s[:, None])[..., None],
                         gb[..., None, :, :], 0.0)  # [..., NB, t, u, K]
     pair = jnp.swapaxes(jax.lax.cumsum(after_t, axis=after_t.ndim - 2),
                         -2, -3)
-    decay = _exp_masked(pair, incl_mask[..., None])  # [..., NB, S, S, K]
+    decay = _exp_masked(pair, (s[:, None] >= s[None, :])[..., None])
     d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, decay)
     d_kk = jnp.einsum("...sk,...tk,...stk->...st", kb, kb, decay)
-    return d_qk, jnp.where(strict_mask, d_kk, 0.0)
+    place = lambda a, d: (a.reshape(batch + (nb, sub, nb, sub)) + jnp.where(
+        jnp.eye(nb, dtype=bool)[:, None, :, None], d[..., :, :, None, :],
+        0.0)).reshape(a.shape)
+    return place(a_qk, d_qk), place(a_kk, d_kk)
 
   if bounded:
-    d_qk, d_kk = factored(None)
+    a_qk, a_kk = factored(None)
   else:
-    d_qk, d_kk = jax.lax.cond(jnp.min(incl) >= -_FACTOR_LIMIT, factored,
+    a_qk, a_kk = jax.lax.cond(jnp.min(incl) >= -_FACTOR_LIMIT, factored,
                               exact, None)
-  on_diag = jnp.eye(nb, dtype=bool)[:, :, None, None]
-  with_diag = lambda o, d: jnp.where(on_diag, d[..., :, None, :, :], o)
-  # [..., NB, NB, S, S] blocks (n, m): rows of block n, columns of block m
-  if nb == 1:  # the whole chunk is one block: nothing off the diagonal
-    a_qk, a_kk = d_qk[..., :, None, :, :], d_kk[..., :, None, :, :]
-  else:
-    a_qk = with_diag(off(q_row), d_qk)
-    a_kk = with_diag(off(k_row), d_kk)
-  a_qk = jnp.swapaxes(a_qk, -2, -3).reshape(batch + (c, c))
+  i = jnp.arange(c)
+  lower, strict = i[:, None] >= i[None, :], i[:, None] > i[None, :]
+  if segmented:
+    same = run[..., :, None] == run[..., None, :]  # [..., C, C]
+    lower, strict = lower & same, strict & same
+  a_qk = jnp.where(lower, a_qk, 0.0)
+  a_kk = jnp.where(strict, a_kk, 0.0)
 
   suffix = _block_sums(tot, lambda n, m, l: l > n)[..., 0, :]  # [..., NB, K]
-  to_end = col * jnp.exp(suffix)[..., None, :]
+  to_end = (blocks(col) * jnp.exp(suffix)[..., None, :]).reshape(g.shape)
   if segmented:
-    a_qk = jnp.where(same, a_qk, 0.0)
-    same_blocks = jnp.swapaxes(same.reshape(same.shape[:-2] + (nb, sub, nb, sub)),
-                               -2, -3)
-    a_kk = jnp.where(same_blocks, a_kk, 0.0)
     G = _segmented_cumsum(g, (starts | (jnp.arange(c) == 0))[..., None],
                           axis=-2)
     read = jnp.exp(G)
     total = read[..., -1, :]
     in_last = (run == run[..., -1:])[..., None]
-    to_end = jnp.where(in_last, to_end.reshape(g.shape), 0.0)
+    to_end = jnp.where(in_last, to_end, 0.0)
   else:
     G = None
     prefix = _block_sums(tot, lambda n, m, l: l < n)[..., 0, :]
-    read = (row * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
+    read = (blocks(row) * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
     total = jnp.exp(jnp.sum(tot, axis=-2))
-    to_end = to_end.reshape(g.shape)
   return ChunkDecays(read=read, to_end=to_end, total=total, a_kk=a_kk,
                      a_qk=a_qk, G=G)
 
 
-def _reblock(blk, size):
-  """[..., NB, NB, S, S] blocks of a C x C matrix -> blocks of `size`."""
-  nb, s = blk.shape[-3], blk.shape[-1]
-  if s == size:
-    return blk
-  batch, c = blk.shape[:-4], nb * s
-  full = jnp.swapaxes(blk, -2, -3).reshape(batch + (c, c))
+def _to_blocks(full, size):
+  """[..., C, C] -> [..., NB, NB, size, size] blocks (row block, col block)."""
+  batch, c = full.shape[:-2], full.shape[-1]
   n = c // size
   return jnp.swapaxes(full.reshape(batch + (n, size, n, size)), -2, -3)
 
@@ -298,8 +368,8 @@ def _unit_lower_solve(blk, rhs):
   inv = eye - diag
   power = diag
   for _ in range(3):
-    power = power @ power
-    inv = inv @ (eye + power)
+    power = _mm(power, power)
+    inv = _mm(inv, eye + power)
   rb = rhs.reshape(batch + (nb, SUB, rhs.shape[-1]))
   xs = []
   for i in range(nb):
@@ -308,9 +378,139 @@ def _unit_lower_solve(blk, rhs):
       done = jnp.concatenate(xs, axis=-2)  # [..., i * S, M]
       left = jnp.swapaxes(blk[..., i, :i, :, :], -2, -3).reshape(
           batch + (SUB, i * SUB))
-      r = r - left @ done
-    xs.append(inv[..., i, :, :] @ r)
+      r = r - _mm(left, done)
+    xs.append(_mm(inv[..., i, :, :], r))
   return jnp.concatenate(xs, axis=-2)
+
+
+@jax.custom_vjp
+def _ut_solve(a, rhs):
+  """(I + A)^-1 rhs for A [..., C, C] strictly lower, rhs [..., C, N].
+
+  The forward forms M = (I + A)^-1 explicitly (`_unit_lower_solve` of the
+  identity, 16 x 16 blocks) and multiplies. The VJP is the closed form
+  d rhs = M^T g and dA = -tril(d rhs out^T) (strictly lower): two matmuls
+  instead of autodiff through every block of the substitution.
+  """
+  return _ut_solve_fwd(a, rhs)[0]
+
+
+def _ut_solve_fwd(a, rhs):
+  c = a.shape[-1]
+  eye = jnp.broadcast_to(jnp.eye(c, dtype=a.dtype), a.shape)
+  m = _unit_lower_solve(_to_blocks(a, SUB), eye)
+  out = m @ rhs
+  return out, (m, out)
+
+
+def _ut_solve_bwd(res, g):
+  m, out = res
+  d_rhs = _transposed(m) @ g
+  i = jnp.arange(m.shape[-1])
+  d_a = jnp.where(i[:, None] > i[None, :],
+                  -jnp.einsum("...in,...jn->...ij", d_rhs, out), 0.0)
+  return d_a, d_rhs
+
+
+_ut_solve.defvjp(_ut_solve_fwd, _ut_solve_bwd)
+
+
+def _affine_maps(qc, kc, vc, bc, dec):
+  """The UT transform of every chunk and its affine state map.
+
+  Args:
+    qc, kc, vc: [..., C, K|V] chunked inputs (q scaled); bc: [..., C] beta.
+    dec: the chunks' `ChunkDecays`.
+
+  Returns:
+    (w, u, q_dec, trans, bias): (I + A) [W | U] = Diag(beta) [exp(G) K | V];
+    q_dec = exp(G) * Q reads the chunk-start state; X_next = trans X + bias.
+  """
+  kd = kc.shape[-1]
+  rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
+  # The solve always works on 16 x 16 blocks (its numerics do not depend on
+  # how the scores were factored).
+  wu = _ut_solve(dec.a_kk * bc[..., None], rhs)
+  # (exp(G_C - G) K)^T as an array of its own (see `_mm`).
+  k_end_wu = _mm(_transposed(kc * dec.to_end), wu)  # [..., K, K + V]
+  trans = jnp.eye(kd, dtype=kc.dtype) * dec.total[..., None, :] - k_end_wu[
+      ..., :kd]
+  return wu[..., :kd], wu[..., kd:], qc * dec.read, trans, k_end_wu[..., kd:]
+
+
+# Chunk-heads x K per step of the grouped scan: 16 chunks of K = 64, a working
+# set of a few MiB that stays in cache (see `_grouped_core`).
+_GROUP_WIDTH = 16 * 64
+
+
+def group_size(num_chunks, batch_heads, head_dim):
+  """(chunks per group, groups) of the grouped scan; groups * size >= chunks.
+
+  About 16 chunk-heads at K = 64 per group (fewer when K is larger), sized so
+  that padding the last group wastes less than one chunk per group.
+  """
+  size = max(1, min(num_chunks, _GROUP_WIDTH // (batch_heads * head_dim)))
+  groups = -(-num_chunks // size)
+  return -(-num_chunks // groups), groups
+
+
+def _grouped_core(q, k, v, g, beta, init, *, prep, block):
+  """Raw inputs without segments -> (o [B,T,H,V] f32, finals [B,1,H,K,V]).
+
+  The same chunk math as `_chunked_core`, computed group by group: a
+  `lax.scan` over groups of `group_size` chunks (all heads and rows of the
+  batch) carries the state [B * H, K, V] (`init` [B, H, K, V] float32).
+  Inside a step, the group's tokens are prepared (`prep`: `common.prepare`
+  on a slice; gates, L2 norm, casts), cut into chunks, their intra-chunk work
+  is batched, the group's chunk states follow one affine map each, and the
+  outputs are read. A whole-sequence pass makes every intermediate
+  ([.., C, C] scores, [.., C, K] factors) a DRAM round trip; per group they
+  stay in cache, which on a CPU halves the forward. The step is
+  `jax.checkpoint`ed: the backward recomputes a group from its inputs and
+  carried state instead of storing every intermediate.
+  """
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  c = CHUNK
+  sub, bounded = block
+  gs, ng = group_size(-(-t // c), b * h, kd)
+  span = gs * c
+  pad = ng * span - t
+  if pad:  # padding writes nothing (k, v, beta = 0); its g is zeroed below
+    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
+
+  # [B, T, H, *] -> [NG, B, GS * C, H, *] (a reshape when B = 1)
+  to_groups = lambda x: jnp.moveaxis(x.reshape((b, ng, span) + x.shape[2:]),
+                                     1, 0)
+  xs = tuple(map(to_groups, (q, k, v, g, beta)))
+  xs += ((jnp.arange(ng * span) < t).reshape(ng, span),)
+  # [B, GS * C, H, *] -> [GS, B * H, C, *], in cache
+  chunks = lambda x: jnp.transpose(x.reshape((b, gs, c, h, -1)),
+                                   (1, 0, 3, 2, 4)).reshape(gs, b * h, c, -1)
+
+  def step(state, group):
+    *raw, real = group
+    qg, kg, vg, gg, bg = prep(*raw)[:5]
+    if pad:  # padding does not decay the state
+      gg = jnp.where(real[None, :, None, None], gg, 0.0)
+    qc, kc, vc, gc = map(chunks, (qg, kg, vg, gg))
+    bc = chunks(bg[..., None])[..., 0]
+    dec = _intra_chunk(qc, kc, gc, None, None, False, bounded, sub)
+    w, u, q_dec, trans, bias = _affine_maps(qc, kc, vc, bc, dec)
+    carried = []  # the state entering each chunk of the group
+    for j in range(gs):
+      carried.append(state)
+      state = _mm(trans[j], state) + bias[j]
+    carried = jnp.stack(carried)  # [GS, B * H, K, V]
+    o = _mm(q_dec, carried) + _mm(dec.a_qk, u - _mm(w, carried))
+    o = jnp.transpose(o.reshape(gs, b, h, c, vd), (1, 0, 3, 2, 4))
+    return state, o.reshape(b, span, h, vd)
+
+  carry0 = common.vary_like(init.reshape(b * h, kd, vd), xs, init)
+  last, o = jax.lax.scan(jax.checkpoint(step, prevent_cse=False), carry0, xs)
+  o = jnp.moveaxis(o, 0, 1).reshape(b, ng * span, h, vd)[:, :t]
+  return o, last.reshape(b, 1, h, kd, vd)
 
 
 def kda_chunked(
@@ -319,24 +519,39 @@ def kda_chunked(
     output_final_state=False, segment_ids=None, max_num_segments=None,
 ):
   """See `linear_attention.ops.kimi_delta_attention` for the arguments."""
-  cn = common.prepare(
-      q, k, v, g, beta, scale=scale, a_log=a_log, dt_bias=dt_bias,
+  prep = functools.partial(
+      common.prepare, scale=scale, a_log=a_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-      use_qk_l2norm=use_qk_l2norm, initial_state=initial_state,
-      segment_ids=segment_ids, max_num_segments=max_num_segments)
-  o, final = _chunked_core(
-      cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
-      segmented=cn.has_segments,
-      init_given=initial_state is not None and cn.has_segments,
-      output_final_state=output_final_state,
-      block=block_size(lower_bound, use_gate_in_kernel))
-  return common.finish(o, final, dtype=q.dtype, has_segments=cn.has_segments,
+      use_qk_l2norm=use_qk_l2norm, max_num_segments=max_num_segments)
+  block = block_size(lower_bound, use_gate_in_kernel)
+  has_segments = segment_ids is not None
+  if has_segments:
+    cn = prep(q, k, v, g, beta, initial_state=initial_state,
+              segment_ids=segment_ids)
+    o, final = _chunked_core(
+        cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
+        init_given=initial_state is not None,
+        output_final_state=output_final_state, block=block)
+  else:
+    b, _, h, kd = q.shape
+    init = (jnp.zeros((b, h, kd, v.shape[-1]), jnp.float32)
+            if initial_state is None else initial_state.astype(jnp.float32))
+    # Tokens are prepared group by group, inside the grouped scan.
+    per_token = functools.partial(prep, initial_state=None, segment_ids=None)
+    o, final = _grouped_core(q, k, v, g, beta, init, prep=per_token,
+                             block=block)
+  return common.finish(o, final, dtype=q.dtype, has_segments=has_segments,
                        output_final_state=output_final_state)
 
 
-def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
-                  init_given, output_final_state, block):
-  """Canonical float32 inputs -> (o [B,T,H,V] f32, finals [B,N,H,K,V])."""
+def _chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
+                  output_final_state, block):
+  """Canonical float32 inputs with segments -> (o, finals [B,N,H,K,V]).
+
+  All chunks at once: the intra-chunk work is batched over every chunk, the
+  affine maps are scanned (resetting where a segment starts), then the
+  outputs of all chunks are read in one batched pass.
+  """
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   n_seg = init.shape[1]
@@ -346,11 +561,10 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
   pad = nc * c - t
 
   valid = segment_ids > 0
-  if segmented:
-    # Padding is a no-op: no decay, no write, no read.
-    zero = lambda x: jnp.where(valid[..., None, None], x, 0.0)
-    q, k, v, g = zero(q), zero(k), zero(v), zero(g)
-    beta = jnp.where(valid[..., None], beta, 0.0)
+  # Padding is a no-op: no decay, no write, no read.
+  zero = lambda x: jnp.where(valid[..., None, None], x, 0.0)
+  q, k, v, g = zero(q), zero(k), zero(v), zero(g)
+  beta = jnp.where(valid[..., None], beta, 0.0)
   if pad:
     pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
@@ -362,93 +576,60 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, segmented,
   qc, kc, vc, gc = map(to_chunks, (q, k, v, g))
   bc = jnp.moveaxis(beta.reshape(b, nc, c, h), 3, 2)  # [B, NC, H, C]
 
-  if segmented:
-    run_seg, run_index, start = _runs(segment_ids)
-    per_chunk = lambda x: x.reshape(b, nc, 1, c)  # broadcast over H
-    run_c, start_c, seg_c = map(per_chunk, (run_index, start, run_seg))
-    # A token reads the carried state iff its run began before the chunk.
-    cont = (run_c == run_c[..., :1]) & ~start_c[..., :1]  # [B, NC, 1, C]
-  else:
-    run_c = start_c = None
+  run_seg, run_index, start = _runs(segment_ids)
+  per_chunk = lambda x: x.reshape(b, nc, 1, c)  # broadcast over H
+  run_c, start_c, seg_c = map(per_chunk, (run_index, start, run_seg))
+  # A token reads the carried state iff its run began before the chunk.
+  cont = (run_c == run_c[..., :1]) & ~start_c[..., :1]  # [B, NC, 1, C]
 
-  dec = _intra_chunk(qc, kc, gc, run_c, start_c, segmented, bounded, sub)
+  dec = _intra_chunk(qc, kc, gc, run_c, start_c, True, bounded, sub)
   a_qk = dec.a_qk
+  w, u, q_dec, trans, bias = _affine_maps(qc, kc, vc, bc, dec)
 
-  # UT transform: (I + A) [W | U] = Diag(beta) [exp(G) K | V].
-  rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
-  beta_rows = bc.reshape(bc.shape[:-1] + (c // SUB, 1, SUB, 1))
-  # The solve always works on 16 x 16 blocks (its numerics do not depend on
-  # how the scores were factored).
-  wu = _unit_lower_solve(_reblock(dec.a_kk, SUB) * beta_rows, rhs)
-  w, u = wu[..., :kd], wu[..., kd:]
-  q_dec = qc * dec.read  # reads the chunk-start state
-
-  # Decay from each token to the chunk end, within the chunk's last run.
-  k_end = kc * dec.to_end
-  # X_next = trans X + bias: trans [B,NC,H,K,K], bias [B,NC,H,K,V]
-  k_end_wu = jnp.einsum("...ck,...cj->...kj", k_end, wu)
-  trans = jnp.eye(kd) * dec.total[..., None, :] - k_end_wu[..., :kd]
-  bias = k_end_wu[..., kd:]
-
-  if segmented:
-    # Initial states of segments whose runs start inside a chunk.
-    init0 = jnp.concatenate([jnp.zeros_like(init[:, :1]), init], axis=1)
-    last_cont = cont[..., 0, -1]  # [B, NC]: chunk-end run began earlier
-    last_seg = seg_c[..., 0, -1]  # [B, NC]
-    init_last = jnp.take_along_axis(
-        init0, last_seg[..., None, None, None], axis=1) if init_given else None
-  else:
-    init0 = None
+  # Initial states of segments whose runs start inside a chunk.
+  init0 = jnp.concatenate([jnp.zeros_like(init[:, :1]), init], axis=1)
+  last_cont = cont[..., 0, -1]  # [B, NC]: chunk-end run began earlier
+  last_seg = seg_c[..., 0, -1]  # [B, NC]
+  init_last = jnp.take_along_axis(
+      init0, last_seg[..., None, None, None], axis=1) if init_given else None
 
   def step(state, xs):
-    trans_c, bias_c, *rest = xs
-    x = state
-    if segmented:
-      keep, fresh = rest
-      x = jnp.where(keep[:, None, None, None], state,
-                    fresh if init_given else 0.0)
-    return jnp.einsum("bhkj,bhjv->bhkv", trans_c, x) + bias_c, state
+    trans_c, bias_c, keep, fresh = xs
+    x = jnp.where(keep[:, None, None, None], state,
+                  fresh if init_given else 0.0)
+    return _mm(trans_c, x) + bias_c, state
 
-  xs = [jnp.moveaxis(trans, 1, 0), jnp.moveaxis(bias, 1, 0)]
-  if segmented:
-    xs += [jnp.moveaxis(last_cont, 1, 0),
-           jnp.moveaxis(init_last, 1, 0) if init_given
-           else jnp.zeros((nc,), jnp.float32)]
-    carry0 = jnp.zeros((b, h, kd, vd), jnp.float32)
-  else:
-    carry0 = init[:, 0]
+  xs = [jnp.moveaxis(trans, 1, 0), jnp.moveaxis(bias, 1, 0),
+        jnp.moveaxis(last_cont, 1, 0),
+        jnp.moveaxis(init_last, 1, 0) if init_given
+        else jnp.zeros((nc,), jnp.float32)]
+  carry0 = jnp.zeros((b, h, kd, vd), jnp.float32)
   # carried[:, n]: the state entering chunk n (the end state of chunk n - 1).
   carry0 = common.vary_like(carry0, xs, init)
-  last_state, carried = jax.lax.scan(step, carry0, xs)
+  _, carried = jax.lax.scan(step, carry0, xs)
   carried = jnp.moveaxis(carried, 0, 1)  # [B, NC, H, K, V]
 
-  w_x, q_x = jnp.einsum("rbnhck,bnhkv->rbnhcv", jnp.stack([w, q_dec]),
-                        carried)
-  if segmented:
-    cont_f = cont[..., None].astype(jnp.float32)
-    w_x, q_x = w_x * cont_f, q_x * cont_f
-    if init_given:
-      # Tokens of runs that start inside the chunk read their own segment's
-      # initial state: [.., C, K] x [B, N, H, K, V] selected per token.
-      tok_seg = jnp.broadcast_to(seg_c, (b, nc, h, c))
-      fresh = 1.0 - cont_f
-      w_x = w_x + fresh * _read_init(w, init0, tok_seg)
-      q_x = q_x + fresh * _read_init(q_dec, init0, tok_seg)
+  w_x, q_x = _mm(w, carried), _mm(q_dec, carried)
+  cont_f = cont[..., None].astype(jnp.float32)
+  w_x, q_x = w_x * cont_f, q_x * cont_f
+  if init_given:
+    # Tokens of runs that start inside the chunk read their own segment's
+    # initial state: [.., C, K] x [B, N, H, K, V] selected per token.
+    tok_seg = jnp.broadcast_to(seg_c, (b, nc, h, c))
+    fresh = 1.0 - cont_f
+    w_x = w_x + fresh * _read_init(w, init0, tok_seg)
+    q_x = q_x + fresh * _read_init(q_dec, init0, tok_seg)
   v_new = u - w_x
-  o = q_x + jnp.einsum("...ij,...jv->...iv", a_qk, v_new)
+  o = q_x + _mm(a_qk, v_new)
 
   o = jnp.moveaxis(o, 2, 3).reshape(b, nc * c, h, vd)[:, :t]
-  if segmented:
-    o = jnp.where(valid[..., None, None], o, 0.0)
+  o = jnp.where(valid[..., None, None], o, 0.0)
 
   finals = init
   if output_final_state:
-    if segmented:
-      finals = _segment_finals(
-          init, init0, run_index, run_seg, carried, dec.G, gc, kc, v_new, cont,
-          run_c, init_given, n_seg)
-    else:
-      finals = last_state[:, None]
+    finals = _segment_finals(
+        init, init0, run_index, run_seg, carried, dec.G, gc, kc, v_new, cont,
+        run_c, init_given, n_seg)
   return o, finals
 
 
@@ -485,7 +666,7 @@ def _segment_finals(init, init0, run_index, run_seg, carried, G, gc, kc, v_new,
   G_e = jnp.take_along_axis(G_n, e[:, :, None, None, None], axis=-2)
   upto_e = jnp.where((tok[None, None, :] <= e[..., None])[:, :, None, :, None],
                      g_n, 0.0)
-  decay = _exp_masked(_sum_after(upto_e),
+  decay = _exp_masked(_range_sums(upto_e, c, lambda i, j: j > i),
                       mine[:, :, None, :, None])  # [B,N,H,C,K]: (j, e]
   write = jnp.einsum("bnhck,bnhcv->bnhkv", k_n * decay, v_n)
   e_cont = jnp.take_along_axis(cont_n, e[..., None], axis=-1)[..., 0]
