@@ -18,7 +18,7 @@ Why lr 3e-3: at the earlier 1e-2, seed 0 reached 99% at step 380 but seeds
 1 and 2 did not in 700 steps (seed 1 stayed below 14%, seed 2 ended at 81%):
 whether the model left the chance plateau depended on the seed and even on
 float32 rounding (two exact KDA backends took different paths by step 40).
-At 3e-3 seeds 0-3 reach 99% at steps 180-440 (results/mqar_seeds/).
+At 3e-3 seeds 0-3 reach 99% at steps 220-460 (results/mqar_seeds/).
 
 Why these layer settings (probes on this task, batch 32, lr 1e-2, seed 0):
 * `conv_size=2`: the value token's key must reach the write through the
