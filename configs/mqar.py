@@ -14,10 +14,11 @@ Ablation (kda vs kda_zeroed, prints the table):
   python -m experiments.ablate --config=configs/mqar.py \
       --mixers=kda,kda_zeroed --workdir=workdirs/mqar_ablation
 
-Why lr 3e-3: at the earlier 1e-2, seed 0 reached 99% at step 380 but seeds
-1 and 2 did not in 700 steps (seed 1 stayed below 14%, seed 2 ended at 81%):
-whether the model left the chance plateau depended on the seed and even on
-float32 rounding (two exact KDA backends took different paths by step 40).
+Why lr 3e-3: at the earlier 1e-2, seed 0 reached 99% at step 380 on the
+first chunked code but not on the current one, and seeds 1 and 2 did not in
+700 steps (seed 1 stayed below 14%, seed 2 ended at 81%): whether the model
+left the chance plateau depended on the seed and even on float32 rounding
+(two exact KDA codes took different paths by step 40).
 At 3e-3 seeds 0-3 reach 99% at steps 220-460 (results/mqar_seeds/).
 
 Why these layer settings (probes on this task, batch 32, lr 1e-2, seed 0):
