@@ -407,8 +407,7 @@ def _ut_solve_bwd(res, g):
   m, out = res
   d_rhs = _transposed(m) @ g
   i = jnp.arange(m.shape[-1])
-  d_a = jnp.where(i[:, None] > i[None, :],
-                  -jnp.einsum("...in,...jn->...ij", d_rhs, out), 0.0)
+  d_a = jnp.where(i[:, None] > i[None, :], -_mm_nt(d_rhs, out), 0.0)
   return d_a, d_rhs
 
 
