@@ -347,20 +347,21 @@ def _to_blocks(full, size):
   return jnp.swapaxes(full.reshape(batch + (n, size, n, size)), -2, -3)
 
 
-def _unit_lower_solve(blk, rhs):
-  """Solves (I + A) x = rhs, A strictly lower, given as blocks.
+def _unit_lower_inverse(blk):
+  """(I + A)^-1 [..., C, C] for A strictly lower, given as blocks.
 
   Args:
     blk: [..., NB, NB, S, S], blk[n, m] = A[n-th row block, m-th col block].
-    rhs: [..., C, M].
 
-  Blocked forward substitution: the S x S diagonal blocks are inverted by
-  repeated squaring (six batched matmuls), then the block rows are solved in
-  order with matmuls. XLA's batched triangular_solve on CPU is far slower for
-  many small systems, and a row-by-row loop makes a long backward graph.
+  Blocked forward substitution on the identity: the S x S diagonal blocks
+  are inverted by repeated squaring (six batched matmuls), then the block
+  rows are solved in order with matmuls. XLA's batched triangular_solve on
+  CPU is far slower for many small systems.
   """
   nb = blk.shape[-3]
   batch = blk.shape[:-4]
+  c = nb * SUB
+  rhs = jnp.broadcast_to(jnp.eye(c, dtype=blk.dtype), batch + (c, c))
   diag = jnp.stack([blk[..., i, i, :, :] for i in range(nb)], axis=-3)
   # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8): L is strictly lower
   # 16 x 16, so L^16 = 0 and the product telescopes to (I - L^16)(I + L)^-1.
@@ -387,8 +388,8 @@ def _unit_lower_solve(blk, rhs):
 def _ut_solve(a, rhs):
   """(I + A)^-1 rhs for A [..., C, C] strictly lower, rhs [..., C, N].
 
-  The forward forms M = (I + A)^-1 explicitly (`_unit_lower_solve` of the
-  identity, 16 x 16 blocks) and multiplies. The VJP is the closed form
+  The forward forms M = (I + A)^-1 explicitly (`_unit_lower_inverse`, 16 x 16
+  blocks) and multiplies. The VJP is the closed form
   d rhs = M^T g and dA = -tril(d rhs out^T) (strictly lower): two matmuls
   instead of autodiff through every block of the substitution.
   """
@@ -396,9 +397,7 @@ def _ut_solve(a, rhs):
 
 
 def _ut_solve_fwd(a, rhs):
-  c = a.shape[-1]
-  eye = jnp.broadcast_to(jnp.eye(c, dtype=a.dtype), a.shape)
-  m = _unit_lower_solve(_to_blocks(a, SUB), eye)
+  m = _unit_lower_inverse(_to_blocks(a, SUB))
   out = m @ rhs
   return out, (m, out)
 
