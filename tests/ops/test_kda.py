@@ -156,16 +156,22 @@ CHUNKED_CASES = (
     ("lower_bound_1_segments", Case(t=130, segments=True, lower_bound=-1.0,
                                     k=32)),
 )
+# Every case at both chunk sizes (chunked.chunk_size: 16 on CPU, 64 on
+# accelerators); only 64-token chunks have several blocks.
+CHUNKED_CASES_BY_SIZE = tuple(
+    (f"{name}_chunk{size}", case, size)
+    for name, case in CHUNKED_CASES for size in (16, 64))
 
 
 class ChunkedVsReferenceTest(chex.TestCase):
 
   @chex.variants(with_jit=True)
-  @parameterized.named_parameters(*CHUNKED_CASES)
-  def test_forward_and_gradients(self, case):
+  @parameterized.named_parameters(*CHUNKED_CASES_BY_SIZE)
+  def test_forward_and_gradients(self, case, size):
     args, kw = make_inputs(case)
     # kw holds arrays (segment ids): close over it instead of passing it.
-    actual = self.variant(lambda a: loss_and_grads(a, kw, "chunked"))(args)
+    with mock.patch.object(chunked, "chunk_size", lambda: size):
+      actual = self.variant(lambda a: loss_and_grads(a, kw, "chunked"))(args)
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
 
@@ -213,24 +219,33 @@ class ChunkedBlockSizeTest(parameterized.TestCase):
   def test_block_size(self, lower_bound, fused, expected):
     self.assertEqual(chunked.block_size(lower_bound, fused), expected)
 
+  @parameterized.parameters((-5.0, True), (-1.0, True), (None, True))
+  def test_16_token_chunks_are_one_block(self, lower_bound, fused):
+    self.assertEqual(chunked.block_size(lower_bound, fused, 16)[0], 16)
+
 
 class ChunkedGroupsTest(parameterized.TestCase):
   # Without segments the chunks run in groups (chunked.group_size, ~16
-  # chunk-heads of K = 64 per scan step): small cases hold one group, so
-  # these shrink the group width to force several groups, a padded last
-  # group, and every block size (b=1, h=2, k=16: width 32 per chunk).
+  # chunk-heads of 64 tokens at K = 64 per scan step): small cases hold one
+  # group, so these shrink the group width to force several groups, a
+  # padded last group, and every block size (b=1, h=2, k=16: width 32 per
+  # chunk; the groups hold the same tokens, 4x the chunks, at chunk 16).
 
   @parameterized.named_parameters(
-      ("groups_of_1", 32, Case(t=257, b=1)),
-      ("groups_of_2_padded_bound_2_5", 64, Case(t=257, b=1,
-                                                 lower_bound=-2.5)),
-      ("groups_of_3_bound_1", 96, Case(t=257, b=1, lower_bound=-1.0)),
-      ("groups_of_2_decay_minus_1000", 64, Case(
+      ("groups_of_1", 32, 64, Case(t=257, b=1)),
+      ("groups_of_2_padded_bound_2_5", 64, 64, Case(t=257, b=1,
+                                                     lower_bound=-2.5)),
+      ("groups_of_3_bound_1", 96, 64, Case(t=257, b=1, lower_bound=-1.0)),
+      ("groups_of_2_decay_minus_1000", 64, 64, Case(
+          t=200, b=1, gate="preactivated", g_min=-1000.0)),
+      ("chunk16_groups_of_4", 32, 16, Case(t=257, b=1)),
+      ("chunk16_groups_of_8_decay_minus_1000", 64, 16, Case(
           t=200, b=1, gate="preactivated", g_min=-1000.0)),
   )
-  def test_forward_and_gradients(self, width, case):
+  def test_forward_and_gradients(self, width, size, case):
     args, kw = make_inputs(case)
-    with mock.patch.object(chunked, "_GROUP_WIDTH", width):
+    with (mock.patch.object(chunked, "_GROUP_WIDTH", width),
+          mock.patch.object(chunked, "chunk_size", lambda: size)):
       actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
@@ -240,6 +255,7 @@ class ChunkedGroupsTest(parameterized.TestCase):
       ((65, 4, 64), (4, 17)),  # one chunk more: 68 chunks, 3 padded
       ((32, 16, 128), (1, 32)),  # wide heads: one chunk per step
       ((3, 1, 16), (3, 1)),  # short sequence: one step
+      ((256, 4, 64, 16), (16, 16)),  # chunk 16: as many tokens a step
   )
   def test_group_size(self, args, expected):
     self.assertEqual(chunked.group_size(*args), expected)

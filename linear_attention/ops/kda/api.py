@@ -24,7 +24,7 @@ class Backend(backend_enum.BackendEnum):
   """Every implementation of the op; all return the same `(o, state)`."""
 
   REFERENCE = "reference"  # token-by-token lax.scan: the oracle
-  CHUNKED = "chunked"  # chunk-64 WY/UT form in XLA: CPU/GPU default
+  CHUNKED = "chunked"  # chunked WY/UT form in XLA: CPU/GPU default
   MOSAIC = "mosaic"  # tokamax's Pallas TPU kernel
 
 

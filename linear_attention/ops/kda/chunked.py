@@ -1,7 +1,7 @@
 """Chunked KDA in XLA: the WY / UT-transform form, exact for any decay.
 
 Kimi Linear (arXiv 2510.26692, §3.2). Split the sequence into chunks of
-C = 64 tokens. Inside a chunk, with incoming state X and G_i the cumulative
+C tokens (`chunk_size`: 16 on CPU, 64 elsewhere). Inside a chunk, with incoming state X and G_i the cumulative
 log decay from the chunk start up to and including token i:
 
     A[i, j]   = beta_i sum_d k_id k_jd exp(G_id - G_jd)      (j < i)
@@ -11,19 +11,20 @@ log decay from the chunk start up to and including token i:
     O         = (Q * exp(G)) X + tril(A_qk) V_new,  A_qk[i, j] = q_i . (exp(G_i - G_j) * k_j)
     X_next    = exp(G_C) * X + (exp(G_C - G) * K)^T V_new
 
-X_next is affine in X: X_next = T_c X + R_c with T_c = Diag(exp(G_C)) -
-(exp(G_C - G) K)^T W and R_c = (exp(G_C - G) K)^T U.
-
 Schedule (`_grouped_core`, inputs without segments). A `lax.scan` over groups
-of chunks (about 16 chunk-heads of K = 64 each) carries the state: inside a
-step the group's intra-chunk work is batched (scores, solve, affine maps),
-its chunk states follow the affine maps, and its outputs are read. Every
+of chunks (about 1024 tokens x heads at K = 64) carries the state: inside a
+step the group's intra-chunk work is batched (scores, solve, UT transform),
+the group's chunks update the state one after another (two matmuls
+each: W X, then the update above), and the outputs of the whole
+group are read in one batched pass. Every
 intermediate stays in cache; a whole-sequence pass makes each one a DRAM
 round trip (on the 2-core dev machine, memory past the 32 MiB L3 streams at
 ~3 GiB/s). The step is `jax.checkpoint`ed, so the backward recomputes a
 group from its inputs and state instead of storing [.., C, C] residuals.
 With segments (`_chunked_core`), the same pieces run over all chunks at once
-and only the affine maps are scanned.
+and only the chunks' affine state maps are scanned: X_next = T_c X + R_c with
+T_c = Diag(exp(G_C)) - (exp(G_C - G) K)^T W and R_c = (exp(G_C - G) K)^T U
+(a segment start resets the state between them).
 
 Numerics. Nothing overflows at any decay (a chunk of 64 tokens at
 lower_bound=-5 spans -320; pre-activated decays may go to -1000 and below):
@@ -37,13 +38,15 @@ whole blocks between, and within the column's block, so each block's scores
 are one matmul of [2S, K] rows and [C, K] columns. Inside a block the pair
 factors as exp(incl_i) exp(-incl_j) when |incl| <= 80 (always under a
 lower-bound gate); otherwise a runtime branch uses the exact masked exponent
-on [16, 16, K]. Range sums are matmuls with 0/1 matrices (`_range_sums`);
-the UT transform forms (I + A)^-1 explicitly from 16 x 16 blocks
-(`_ut_solve`). Accumulation is float32 throughout.
+on [16, 16, K]. A 16-token chunk is a single block. Range sums are matmuls
+with 0/1 matrices (`_range_sums`); the UT transform is a blocked forward
+substitution on 16 x 16 blocks (`_ut_solve`). Accumulation is float32
+throughout.
 
-Gradients. Range sums, the UT solve and the matmuls whose autodiff form is
-slow on CPU have custom VJPs (closed forms; a forward+backward at
-(1, 4096, 4, 64) is ~30% faster than with autodiff through them), so the
+Gradients. Range sums, the UT solve (its VJP is a back substitution) and the
+matmuls whose autodiff form is slow on CPU have custom VJPs (closed forms; a
+forward+backward at (1, 4096, 4, 64) is ~30% faster than with autodiff
+through them), so the
 backend supports reverse-mode differentiation only (`jax.grad`, `jax.vjp`;
 `jax.jvp` raises).
 Measured against a float64 recurrence at T = 4096 (bounds -5 and -1): 4e-7
@@ -65,14 +68,27 @@ import numpy as np
 
 from linear_attention.ops.kda import common
 
-CHUNK = 64
 SUB = 16  # block size when the decays are unbounded (or bounded below -5)
 # exp(-x) is finite in float32 for x <= 88; 16 tokens at -5 give 80.
 _FACTOR_LIMIT = 80.0
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def block_size(lower_bound, use_gate_in_kernel) -> tuple[int, bool]:
+def chunk_size() -> int:
+  """Tokens per chunk on the default platform: 16 on CPU, 64 elsewhere.
+
+  On CPU a 16-token chunk is one block (no off-diagonal score products, a
+  16 x 16 solve) and the smaller score and solve matmuls outweigh the longer
+  chain of state updates: at (1, 4096, 4, 64), lower_bound=-5, forward and
+  forward+backward take ~15% less time than with 64 (A/B in one process;
+  equal at -1, where 64 is one block). Accelerators keep 64: fewer,
+  larger sequential steps.
+  """
+  return SUB if jax.default_backend() == "cpu" else 64
+
+
+def block_size(lower_bound, use_gate_in_kernel,
+               chunk=64) -> tuple[int, bool]:
   """(block size, bounded): the largest block the exp split is safe over.
 
   Under a lower-bound gate every g >= lower_bound, so a block of S tokens
@@ -84,8 +100,8 @@ def block_size(lower_bound, use_gate_in_kernel) -> tuple[int, bool]:
   """
   if not (use_gate_in_kernel and lower_bound is not None):
     return SUB, False
-  for size in (CHUNK, CHUNK // 2):
-    if size * abs(lower_bound) <= _FACTOR_LIMIT:
+  for size in (chunk, chunk // 2):
+    if size >= SUB and size * abs(lower_bound) <= _FACTOR_LIMIT:
       return size, True
   return SUB, True
 
@@ -105,28 +121,27 @@ def _segmented_cumsum(x, starts, axis):
 def _range_sums(x, size, relation):
   """y[i] = sum of x[j] over j in i's block of `size` with relation(i, j).
 
-  Along axis -2 of x [..., S, K]. A matmul with a 0/1 matrix: each output is
-  the float32 sum of exactly its range (HIGHEST precision: no
-  reduced-precision passes on GPU/TPU), and its transpose is another such
-  matmul. On CPU this is several times faster than `lax.cumsum` (a quadratic
-  reduce-window), and the scores come out more accurate than from
-  `lax.associative_scan` sums (tested against float64: the a_log gradient's
-  error halves at lower_bound=-2.5). The 0/1 matrix is broadcast over the
-  batch, so the product is a batched matmul whose output is already in x's
-  layout, and the VJP multiplies by the transposed matrix the same way
-  (autodiff would transpose the data instead).
+  Along axis -2 of x [..., S, K] (S a multiple of `size`). Each block is a
+  matmul with a [size, size] 0/1 matrix: each output is the float32 sum of
+  exactly its range (HIGHEST precision: no reduced-precision passes on
+  GPU/TPU), and its transpose is another such matmul. On CPU this is several
+  times faster than `lax.cumsum` (a quadratic reduce-window), and the scores
+  come out more accurate than from `lax.associative_scan` sums (tested
+  against float64: the a_log gradient's error halves at lower_bound=-2.5).
+  The 0/1 matrix is broadcast over the blocks, so the product is a batched
+  matmul whose output is already in x's layout, and the VJP multiplies by
+  the transposed matrix the same way (autodiff would transpose the data).
   """
-  i = np.arange(x.shape[-2])
-  mask = (relation(i[:, None], i[None, :])
-          & (i[:, None] // size == i[None, :] // size)).astype(np.float32)
-  batch, (s, k) = x.shape[:-2], x.shape[-2:]
+  i = np.arange(size)
+  mask = relation(i[:, None], i[None, :]).astype(np.float32)
+  shape = x.shape
 
   def apply(m, y):
-    y3 = y.reshape((-1, s, k))
-    mb = jnp.broadcast_to(jnp.asarray(m, y.dtype), (y3.shape[0], s, s))
+    y3 = y.reshape((-1, size, shape[-1]))
+    mb = jnp.broadcast_to(jnp.asarray(m, y.dtype), (y3.shape[0], size, size))
     out = jax.lax.dot_general(mb, y3, (((2,), (1,)), ((0,), (0,))),
                               precision=_HIGHEST)
-    return out.reshape(batch + (s, k))
+    return out.reshape(shape)
 
   @jax.custom_vjp
   def sums(y):
@@ -347,40 +362,42 @@ def _to_blocks(full, size):
   return jnp.swapaxes(full.reshape(batch + (n, size, n, size)), -2, -3)
 
 
-def _unit_lower_inverse(blk):
-  """(I + A)^-1 [..., C, C] for A strictly lower, given as blocks.
+def _unit_triangular_solve(blk, rhs, lower):
+  """(I + A)^-1 rhs for A strictly triangular, given as blocks.
 
   Args:
-    blk: [..., NB, NB, S, S], blk[n, m] = A[n-th row block, m-th col block].
+    blk: [..., NB, NB, S, S], blk[n, m] = A[n-th row block, m-th col block];
+      A strictly lower (`lower`) or strictly upper.
+    rhs: [..., NB * S, N].
 
-  Blocked forward substitution on the identity: the S x S diagonal blocks
-  are inverted by repeated squaring (six batched matmuls), then the block
-  rows are solved in order with matmuls. XLA's batched triangular_solve on
-  CPU is far slower for many small systems.
+  Blocked substitution: the S x S diagonal blocks are inverted by repeated
+  squaring (six batched matmuls), then the block rows are solved in order
+  (from the top when lower, from the bottom when upper), each with two
+  matmuls. XLA's batched triangular_solve on CPU is far slower for many
+  small systems.
   """
-  nb = blk.shape[-3]
+  nb, s = blk.shape[-3], blk.shape[-1]
   batch = blk.shape[:-4]
-  c = nb * SUB
-  rhs = jnp.broadcast_to(jnp.eye(c, dtype=blk.dtype), batch + (c, c))
   diag = jnp.stack([blk[..., i, i, :, :] for i in range(nb)], axis=-3)
-  # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8): L is strictly lower
-  # 16 x 16, so L^16 = 0 and the product telescopes to (I - L^16)(I + L)^-1.
-  eye = jnp.eye(SUB, dtype=blk.dtype)
+  # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8): L is strictly
+  # triangular 16 x 16, so L^16 = 0 and the product telescopes to
+  # (I - L^16)(I + L)^-1.
+  eye = jnp.eye(s, dtype=blk.dtype)
   inv = eye - diag
   power = diag
-  for _ in range(3):
-    power = _mm(power, power)
-    inv = _mm(inv, eye + power)
-  rb = rhs.reshape(batch + (nb, SUB, rhs.shape[-1]))
-  xs = []
-  for i in range(nb):
+  for _ in range(s.bit_length() - 2):
+    power = power @ power
+    inv = inv @ (eye + power)
+  rb = rhs.reshape(batch + (nb, s, rhs.shape[-1]))
+  xs = [None] * nb
+  for i in (range(nb) if lower else reversed(range(nb))):
     r = rb[..., i, :, :]
-    if i:
-      done = jnp.concatenate(xs, axis=-2)  # [..., i * S, M]
-      left = jnp.swapaxes(blk[..., i, :i, :, :], -2, -3).reshape(
-          batch + (SUB, i * SUB))
-      r = r - _mm(left, done)
-    xs.append(_mm(inv[..., i, :, :], r))
+    done = range(i) if lower else range(i + 1, nb)
+    if done:
+      left = jnp.swapaxes(blk[..., i, done[0]:done[-1] + 1, :, :], -2, -3)
+      r = r - left.reshape(batch + (s, len(done) * s)) @ jnp.concatenate(
+          [xs[m] for m in done], axis=-2)
+    xs[i] = inv[..., i, :, :] @ r
   return jnp.concatenate(xs, axis=-2)
 
 
@@ -388,24 +405,23 @@ def _unit_lower_inverse(blk):
 def _ut_solve(a, rhs):
   """(I + A)^-1 rhs for A [..., C, C] strictly lower, rhs [..., C, N].
 
-  The forward forms M = (I + A)^-1 explicitly (`_unit_lower_inverse`, 16 x 16
-  blocks) and multiplies. The VJP is the closed form
-  d rhs = M^T g and dA = -tril(d rhs out^T) (strictly lower): two matmuls
-  instead of autodiff through every block of the substitution.
+  Blocked forward substitution on 16 x 16 blocks. The VJP is the closed form
+  d rhs = (I + A)^-T g (back substitution with the transposed blocks) and
+  dA = -tril(d rhs out^T) (strictly lower): no autodiff through the blocks.
   """
-  return _ut_solve_fwd(a, rhs)[0]
+  return _unit_triangular_solve(_to_blocks(a, SUB), rhs, lower=True)
 
 
 def _ut_solve_fwd(a, rhs):
-  m = _unit_lower_inverse(_to_blocks(a, SUB))
-  out = m @ rhs
-  return out, (m, out)
+  out = _ut_solve(a, rhs)
+  return out, (a, out)
 
 
 def _ut_solve_bwd(res, g):
-  m, out = res
-  d_rhs = _transposed(m) @ g
-  i = jnp.arange(m.shape[-1])
+  a, out = res
+  d_rhs = _unit_triangular_solve(_to_blocks(_transposed(a), SUB), g,
+                                 lower=False)
+  i = jnp.arange(a.shape[-1])
   d_a = jnp.where(i[:, None] > i[None, :], -_mm_nt(d_rhs, out), 0.0)
   return d_a, d_rhs
 
@@ -413,46 +429,61 @@ def _ut_solve_bwd(res, g):
 _ut_solve.defvjp(_ut_solve_fwd, _ut_solve_bwd)
 
 
-def _affine_maps(qc, kc, vc, bc, dec):
-  """The UT transform of every chunk and its affine state map.
+def _ut_transform(qc, kc, vc, bc, dec):
+  """The UT transform of every chunk.
 
   Args:
     qc, kc, vc: [..., C, K|V] chunked inputs (q scaled); bc: [..., C] beta.
     dec: the chunks' `ChunkDecays`.
 
   Returns:
-    (w, u, q_dec, trans, bias): (I + A) [W | U] = Diag(beta) [exp(G) K | V];
-    q_dec = exp(G) * Q reads the chunk-start state; X_next = trans X + bias.
+    (w, u, q_dec): (I + A) [W | U] = Diag(beta) [exp(G) K | V], and
+    q_dec = exp(G) * Q, which reads the chunk-start state.
   """
   kd = kc.shape[-1]
   rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
   # The solve always works on 16 x 16 blocks (its numerics do not depend on
   # how the scores were factored).
   wu = _ut_solve(dec.a_kk * bc[..., None], rhs)
+  return wu[..., :kd], wu[..., kd:], qc * dec.read
+
+
+def _affine_maps(qc, kc, vc, bc, dec):
+  """`_ut_transform` and each chunk's affine state map X_next = trans X + bias.
+
+  Returns:
+    (w, u, q_dec, trans, bias).
+  """
+  kd = kc.shape[-1]
+  w, u, q_dec = _ut_transform(qc, kc, vc, bc, dec)
   # (exp(G_C - G) K)^T as an array of its own (see `_mm`).
-  k_end_wu = _mm(_transposed(kc * dec.to_end), wu)  # [..., K, K + V]
+  k_end_wu = _mm(_transposed(kc * dec.to_end),
+                 jnp.concatenate([w, u], axis=-1))  # [..., K, K + V]
   trans = jnp.eye(kd, dtype=kc.dtype) * dec.total[..., None, :] - k_end_wu[
       ..., :kd]
-  return wu[..., :kd], wu[..., kd:], qc * dec.read, trans, k_end_wu[..., kd:]
+  return w, u, q_dec, trans, k_end_wu[..., kd:]
 
 
-# Chunk-heads x K per step of the grouped scan: 16 chunks of K = 64, a working
-# set of a few MiB that stays in cache (see `_grouped_core`).
+# Chunk-heads x K per step of the grouped scan, in 64-token chunks: 16 chunks
+# of K = 64 (1024 tokens x heads), a working set of a few MiB that stays in
+# cache (see `_grouped_core`); smaller chunks take as many tokens a step.
 _GROUP_WIDTH = 16 * 64
 
 
-def group_size(num_chunks, batch_heads, head_dim):
+def group_size(num_chunks, batch_heads, head_dim, chunk=64):
   """(chunks per group, groups) of the grouped scan; groups * size >= chunks.
 
-  About 16 chunk-heads at K = 64 per group (fewer when K is larger), sized so
-  that padding the last group wastes less than one chunk per group.
+  About 1024 tokens x heads at K = 64 per group (16 chunk-heads of 64
+  tokens; fewer when K is larger), sized so that padding the last group
+  wastes less than one chunk per group.
   """
-  size = max(1, min(num_chunks, _GROUP_WIDTH // (batch_heads * head_dim)))
+  width = _GROUP_WIDTH * 64 // chunk  # the same tokens per step at any chunk
+  size = max(1, min(num_chunks, width // (batch_heads * head_dim)))
   groups = -(-num_chunks // size)
   return -(-num_chunks // groups), groups
 
 
-def _grouped_core(q, k, v, g, beta, init, *, prep, block):
+def _grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
   """Raw inputs without segments -> (o [B,T,H,V] f32, finals [B,1,H,K,V]).
 
   The same chunk math as `_chunked_core`, computed group by group: a
@@ -469,9 +500,9 @@ def _grouped_core(q, k, v, g, beta, init, *, prep, block):
   """
   b, t, h, kd = q.shape
   vd = v.shape[-1]
-  c = CHUNK
+  c = chunk
   sub, bounded = block
-  gs, ng = group_size(-(-t // c), b * h, kd)
+  gs, ng = group_size(-(-t // c), b * h, kd, c)
   span = gs * c
   pad = ng * span - t
   if pad:  # padding writes nothing (k, v, beta = 0); its g is zeroed below
@@ -495,13 +526,15 @@ def _grouped_core(q, k, v, g, beta, init, *, prep, block):
     qc, kc, vc, gc = map(chunks, (qg, kg, vg, gg))
     bc = chunks(bg[..., None])[..., 0]
     dec = _intra_chunk(qc, kc, gc, None, None, False, bounded, sub)
-    w, u, q_dec, trans, bias = _affine_maps(qc, kc, vc, bc, dec)
-    carried = []  # the state entering each chunk of the group
+    w, u, q_dec = _ut_transform(qc, kc, vc, bc, dec)
+    k_end = _transposed(kc * dec.to_end)  # [GS, B * H, K, C]
+    carried, v_new = [], []  # the state entering each chunk; its errors
     for j in range(gs):
       carried.append(state)
-      state = _mm(trans[j], state) + bias[j]
-    carried = jnp.stack(carried)  # [GS, B * H, K, V]
-    o = _mm(q_dec, carried) + _mm(dec.a_qk, u - _mm(w, carried))
+      v_new.append(u[j] - _mm(w[j], state))
+      state = dec.total[j][..., None] * state + _mm(k_end[j], v_new[j])
+    carried, v_new = jnp.stack(carried), jnp.stack(v_new)
+    o = _mm(q_dec, carried) + _mm(dec.a_qk, v_new)
     o = jnp.transpose(o.reshape(gs, b, h, c, vd), (1, 0, 3, 2, 4))
     return state, o.reshape(b, span, h, vd)
 
@@ -521,7 +554,8 @@ def kda_chunked(
       common.prepare, scale=scale, a_log=a_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
       use_qk_l2norm=use_qk_l2norm, max_num_segments=max_num_segments)
-  block = block_size(lower_bound, use_gate_in_kernel)
+  chunk = chunk_size()
+  block = block_size(lower_bound, use_gate_in_kernel, chunk)
   has_segments = segment_ids is not None
   if has_segments:
     cn = prep(q, k, v, g, beta, initial_state=initial_state,
@@ -529,7 +563,7 @@ def kda_chunked(
     o, final = _chunked_core(
         cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
         init_given=initial_state is not None,
-        output_final_state=output_final_state, block=block)
+        output_final_state=output_final_state, block=block, chunk=chunk)
   else:
     b, _, h, kd = q.shape
     init = (jnp.zeros((b, h, kd, v.shape[-1]), jnp.float32)
@@ -537,13 +571,13 @@ def kda_chunked(
     # Tokens are prepared group by group, inside the grouped scan.
     per_token = functools.partial(prep, initial_state=None, segment_ids=None)
     o, final = _grouped_core(q, k, v, g, beta, init, prep=per_token,
-                             block=block)
+                             block=block, chunk=chunk)
   return common.finish(o, final, dtype=q.dtype, has_segments=has_segments,
                        output_final_state=output_final_state)
 
 
 def _chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
-                  output_final_state, block):
+                  output_final_state, block, chunk):
   """Canonical float32 inputs with segments -> (o, finals [B,N,H,K,V]).
 
   All chunks at once: the intra-chunk work is batched over every chunk, the
@@ -554,7 +588,7 @@ def _chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
   vd = v.shape[-1]
   n_seg = init.shape[1]
   sub, bounded = block
-  c = CHUNK
+  c = chunk
   nc = -(-t // c)
   pad = nc * c - t
 
