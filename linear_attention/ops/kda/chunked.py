@@ -298,8 +298,11 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
 
   def scores(diag_cols):
     # cols[n, m]: the columns of block m as seen from the rows of block n
-    cols = jnp.where(on_diag, diag_cols[..., None, :, :, :],
-                     mid[..., :, :, None, :] * k_col[..., None, :, :, :])
+    if nb == 1:  # one block: no columns from earlier blocks
+      cols = diag_cols
+    else:
+      cols = jnp.where(on_diag, diag_cols[..., None, :, :, :],
+                       mid[..., :, :, None, :] * k_col[..., None, :, :, :])
     a = _mm_nt(rows, cols.reshape(batch + (nb, c, kd)))  # [..., NB, 2S, C]
     return (a[..., :sub, :].reshape(batch + (c, c)),
             a[..., sub:, :].reshape(batch + (c, c)))
@@ -337,8 +340,12 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
   a_qk = jnp.where(lower, a_qk, 0.0)
   a_kk = jnp.where(strict, a_kk, 0.0)
 
-  suffix = _block_sums(tot, lambda n, m, l: l > n)[..., 0, :]  # [..., NB, K]
-  to_end = (blocks(col) * jnp.exp(suffix)[..., None, :]).reshape(g.shape)
+  # With one block the whole-block factors below are all exp(0): skipped, so
+  # that the backward does not reduce their zero gradients.
+  to_end = col
+  if nb > 1:
+    suffix = _block_sums(tot, lambda n, m, l: l > n)[..., 0, :]  # [..., NB, K]
+    to_end = (blocks(col) * jnp.exp(suffix)[..., None, :]).reshape(g.shape)
   if segmented:
     G = _segmented_cumsum(g, (starts | (jnp.arange(c) == 0))[..., None],
                           axis=-2)
@@ -348,8 +355,10 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
     to_end = jnp.where(in_last, to_end, 0.0)
   else:
     G = None
-    prefix = _block_sums(tot, lambda n, m, l: l < n)[..., 0, :]
-    read = (blocks(row) * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
+    read = row
+    if nb > 1:
+      prefix = _block_sums(tot, lambda n, m, l: l < n)[..., 0, :]
+      read = (blocks(row) * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
     total = jnp.exp(jnp.sum(tot, axis=-2))
   return ChunkDecays(read=read, to_end=to_end, total=total, a_kk=a_kk,
                      a_qk=a_qk, G=G)
@@ -528,11 +537,15 @@ def _grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
     dec = _intra_chunk(qc, kc, gc, None, None, False, bounded, sub)
     w, u, q_dec = _ut_transform(qc, kc, vc, bc, dec)
     k_end = _transposed(kc * dec.to_end)  # [GS, B * H, K, C]
+    # Per-chunk operands by one split each: its transpose is one concatenate
+    # (indexing chunk by chunk would transpose to GS full-size pads and adds).
+    per_chunk = lambda x: [y[0] for y in jax.lax.split(x, (1,) * gs)]
+    ws, us, k_ends, totals = map(per_chunk, (w, u, k_end, dec.total))
     carried, v_new = [], []  # the state entering each chunk; its errors
     for j in range(gs):
       carried.append(state)
-      v_new.append(u[j] - _mm(w[j], state))
-      state = dec.total[j][..., None] * state + _mm(k_end[j], v_new[j])
+      v_new.append(us[j] - _mm(ws[j], state))
+      state = totals[j][..., None] * state + _mm(k_ends[j], v_new[j])
     carried, v_new = jnp.stack(carried), jnp.stack(v_new)
     o = _mm(q_dec, carried) + _mm(dec.a_qk, v_new)
     o = jnp.transpose(o.reshape(gs, b, h, c, vd), (1, 0, 3, 2, 4))
