@@ -6,15 +6,18 @@ For each shape (B, T, H, K=V) it times the forward and the forward+backward
 (gradients of every input) of our `reference` (short sequences only) and
 `chunked` backends and tokamax 0.0.17's `xla_chunked` and `xla`, on the same
 inputs: f32, lower-bound gate fused in the op (-5), q/k L2 norm. Timing is
-plain JAX: compile, warm up, then the median of `--repeats` runs, the
-implementations interleaved (in an order that rotates every round) so that
-machine noise and cold caches hit all of them alike.
+plain JAX: compile, warm up, then `--repeats` rounds; each round calls every
+implementation once and a 2048^3 f32 matmul, in an order that rotates every
+round so that cold caches hit all of them alike.
 
-Reported per row: median milliseconds, the ratio of tokamax's time to ours
-(> 1 means we are faster), achieved GFLOP/s by the Kimi Linear FLOP count
-(arXiv 2510.26692 Eq. 13: 6 T d^2 + 3 T C d + T C^2 per head for the forward,
-C = 64; the forward+backward is counted as 3x that), its fraction of the f32
-matmul rate measured in the same process (a 2048^3 matmul), and the peak
+Reported per row: median milliseconds; the ratio of tokamax's time to ours
+(> 1 means we are faster) as the median over rounds of the ratio within a
+round (this VM has slow spells of seconds, up to 2x; calls of one round share
+them, so a paired ratio is stable where a ratio of two medians is not);
+achieved GFLOP/s by the Kimi Linear FLOP count (arXiv 2510.26692 Eq. 13:
+6 T d^2 + 3 T C d + T C^2 per head for the forward, C = 64; the
+forward+backward is counted as 3x that) and its fraction of the matmul's
+rate, paired the same way; and the peak
 temporary memory XLA's compiler plans for the computation
 (`compiled.memory_analysis()`; deterministic, unlike a timing).
 
@@ -91,30 +94,59 @@ def fwd_bwd(f):
   return jax.grad(loss, argnums=tuple(range(7)))
 
 
-def time_many(fns, args, repeats):
-  """Median seconds per call of each jitted fn, interleaved.
+def time_rounds(fns, args, repeats, extra=None):
+  """Seconds per call of each jitted fn, one list entry per round.
 
-  The order rotates every round: on the 2-core dev machine the call that
+  Every round calls each fn once (and each `extra` (fn, args) pair), in an
+  order that rotates every round: on the 2-core dev machine the call that
   follows a large one (say tokamax `xla`'s backward, 1 GiB of temporaries)
   ran a KDA forward up to 1.8x slower, so no implementation may always take
   that place.
   """
-  times = {name: [] for name in fns}
-  names = list(fns)
+  calls = {name: (fn, args) for name, fn in fns.items()}
+  calls.update(extra or {})
+  times = {name: [] for name in calls}
+  names = list(calls)
   for r in range(repeats):
     shift = r % len(names)
     for name in names[shift:] + names[:shift]:
+      fn, fn_args = calls[name]
       start = time.perf_counter()
-      jax.block_until_ready(fns[name](*args))
+      jax.block_until_ready(fn(*fn_args))
       times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  return times
 
 
-def matmul_gflops(n=2048, repeats=5):
+def time_many(fns, args, repeats):
+  """Median seconds per call of each jitted fn, interleaved (`time_rounds`)."""
+  return {name: statistics.median(ts)
+          for name, ts in time_rounds(fns, args, repeats).items()}
+
+
+def paired(numerator, denominator):
+  """Median over rounds of numerator[r] / denominator[r].
+
+  Both timed in the same round, seconds apart: this VM's slow spells (a
+  whole round at up to 2x) cancel in the ratio instead of deciding a
+  median taken per implementation.
+  """
+  return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+MATMUL_N = 2048
+
+
+def matmul_call(n=MATMUL_N):
+  """(jitted f32 n^3 matmul, its args), compiled."""
   a = jax.random.normal(jax.random.key(1), (n, n))
   f = jax.jit(lambda x: x @ x)
   jax.block_until_ready(f(a))
-  best = min(time_many({"mm": f}, (a,), repeats).values(), default=0)
+  return f, (a,)
+
+
+def matmul_gflops(n=MATMUL_N, repeats=5):
+  f, a = matmul_call(n)
+  best = min(time_rounds({"mm": f}, a, repeats)["mm"])
   return 2 * n ** 3 / best / 1e9
 
 
@@ -124,7 +156,7 @@ def temp_bytes(fn, args):
   return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def bench_shape(shape, repeats, mm_rate):
+def bench_shape(shape, repeats):
   b, t, h, d = shape
   args = make_inputs(b, t, h, d)
   impls = {"ours_chunked": ours("chunked"),
@@ -138,9 +170,13 @@ def bench_shape(shape, repeats, mm_rate):
            for n, f in impls.items()}
     outs = {n: jax.block_until_ready(fn(*args)) for n, fn in fns.items()}
     mems = {n: temp_bytes(fn, args) for n, fn in fns.items()}
-    secs = time_many(fns, args, repeats)
+    # The matmul runs in every round too: its rate is paired like the ratios.
+    times = time_rounds(fns, args, repeats, extra={"mm": matmul_call()})
+    secs = {n: statistics.median(ts) for n, ts in times.items()}
     flops = kda_flops(b, t, h, d) * (1 if mode == "forward" else 3)
-    best_tokamax = min(secs["tokamax_xla_chunked"], secs["tokamax_xla"])
+    best_tokamax = [min(x, y) for x, y in zip(
+        times["tokamax_xla_chunked"], times["tokamax_xla"])]
+    mm_seconds_per_flop = [ts / (2 * MATMUL_N ** 3) for ts in times["mm"]]
     for name in fns:
       err = testing.relative_l2_error(
           np.concatenate([np.ravel(x) for x in jax.tree.leaves(outs[name])]),
@@ -148,11 +184,14 @@ def bench_shape(shape, repeats, mm_rate):
               outs["ours_chunked"])]))
       rows.append(dict(
           shape=shape, mode=mode, impl=name, ms=secs[name] * 1e3,
-          speedup_vs_tokamax_xla_chunked=secs["tokamax_xla_chunked"]
-          / secs[name],
-          speedup_vs_best_tokamax=best_tokamax / secs[name],
+          speedup_vs_tokamax_xla_chunked=paired(
+              times["tokamax_xla_chunked"], times[name]),
+          speedup_vs_best_tokamax=paired(best_tokamax, times[name]),
           gflops=flops / secs[name] / 1e9,
-          matmul_fraction=flops / secs[name] / 1e9 / mm_rate,
+          # achieved rate / matmul rate, per round
+          matmul_fraction=paired(
+              [flops * m for m in mm_seconds_per_flop], times[name]),
+          matmul_gflops=2 * MATMUL_N ** 3 / secs["mm"] / 1e9,
           temp_mib=None if mems[name] is None else mems[name] / 2**20,
           rel_err_vs_ours_chunked=err))
   return rows
@@ -201,7 +240,8 @@ def markdown_train(rows):
 
 def markdown(rows, mm_rate):
   lines = [
-      f"f32 matmul rate (2048^3, same process): {mm_rate:.0f} GFLOP/s",
+      f"f32 matmul rate (2048^3, same process, best of 5): {mm_rate:.0f}"
+      " GFLOP/s; ratios and `% matmul` are medians of per-round ratios",
       "",
       "| B, T, H, K | pass | implementation | ms | tokamax xla_chunked / this"
       " | best tokamax / this | GFLOP/s | % matmul | temp MiB | rel. err vs"
@@ -249,7 +289,7 @@ def main():
     print(markdown_train(train_rows), flush=True)
     save()
   for shape in shapes:
-    rows += bench_shape(shape, a.repeats, mm_rate)
+    rows += bench_shape(shape, a.repeats)
     print(markdown(rows, mm_rate), flush=True)
     save()
 

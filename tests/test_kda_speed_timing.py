@@ -1,0 +1,39 @@
+"""The speed harness's timing helpers (no timings are asserted)."""
+
+from absl.testing import absltest
+import jax.numpy as jnp
+
+from benchmarks import kda_speed
+
+
+class TimingTest(absltest.TestCase):
+
+  def test_paired_is_the_median_of_per_round_ratios(self):
+    # Round 2 is a slow spell for both: its ratio is as good as any other.
+    slow = [2.0, 8.0, 2.2, 2.0]
+    fast = [1.0, 4.0, 1.0, 1.0]
+    self.assertAlmostEqual(kda_speed.paired(slow, fast), 2.0)
+    # A ratio of medians would read 2.1 / 1.0 here.
+    self.assertAlmostEqual(kda_speed.paired([2.1, 9.0, 2.0], [1.0, 6.0, 1.0]),
+                           2.0)
+
+  def test_time_rounds_calls_everything_once_a_round(self):
+    calls = []
+
+    def fn(name):
+      def f(x):
+        calls.append(name)
+        return x
+      return f
+
+    times = kda_speed.time_rounds(
+        {"a": fn("a"), "b": fn("b")}, (jnp.zeros(()),), repeats=3,
+        extra={"mm": (fn("mm"), (jnp.ones(()),))})
+    self.assertEqual({n: len(ts) for n, ts in times.items()},
+                     {"a": 3, "b": 3, "mm": 3})
+    # The order rotates: each name leads one round.
+    self.assertEqual([calls[i] for i in (0, 3, 6)], ["a", "b", "mm"])
+
+
+if __name__ == "__main__":
+  absltest.main()
