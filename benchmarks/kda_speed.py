@@ -184,6 +184,7 @@ def bench_shape(shape, repeats):
               outs["ours_chunked"])]))
       rows.append(dict(
           shape=shape, mode=mode, impl=name, ms=secs[name] * 1e3,
+          ms_rounds=[ts * 1e3 for ts in times[name]],
           speedup_vs_tokamax_xla_chunked=paired(
               times["tokamax_xla_chunked"], times[name]),
           speedup_vs_best_tokamax=paired(best_tokamax, times[name]),
