@@ -446,15 +446,14 @@ def _ut_transform(qc, kc, vc, bc, dec):
     dec: the chunks' `ChunkDecays`.
 
   Returns:
-    (w, u, q_dec): (I + A) [W | U] = Diag(beta) [exp(G) K | V], and
-    q_dec = exp(G) * Q, which reads the chunk-start state.
+    (wu, q_dec): [W | U] [..., C, K + V] with (I + A) [W | U] =
+    Diag(beta) [exp(G) K | V], and q_dec = exp(G) * Q, which reads the
+    chunk-start state.
   """
-  kd = kc.shape[-1]
   rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
   # The solve always works on 16 x 16 blocks (its numerics do not depend on
   # how the scores were factored).
-  wu = _ut_solve(dec.a_kk * bc[..., None], rhs)
-  return wu[..., :kd], wu[..., kd:], qc * dec.read
+  return _ut_solve(dec.a_kk * bc[..., None], rhs), qc * dec.read
 
 
 def _affine_maps(qc, kc, vc, bc, dec):
@@ -464,13 +463,12 @@ def _affine_maps(qc, kc, vc, bc, dec):
     (w, u, q_dec, trans, bias).
   """
   kd = kc.shape[-1]
-  w, u, q_dec = _ut_transform(qc, kc, vc, bc, dec)
+  wu, q_dec = _ut_transform(qc, kc, vc, bc, dec)
   # (exp(G_C - G) K)^T as an array of its own (see `_mm`).
-  k_end_wu = _mm(_transposed(kc * dec.to_end),
-                 jnp.concatenate([w, u], axis=-1))  # [..., K, K + V]
+  k_end_wu = _mm(_transposed(kc * dec.to_end), wu)  # [..., K, K + V]
   trans = jnp.eye(kd, dtype=kc.dtype) * dec.total[..., None, :] - k_end_wu[
       ..., :kd]
-  return w, u, q_dec, trans, k_end_wu[..., kd:]
+  return wu[..., :kd], wu[..., kd:], q_dec, trans, k_end_wu[..., kd:]
 
 
 # Chunk-heads x K per step of the grouped scan, in 64-token chunks: 16 chunks
@@ -535,7 +533,8 @@ def _grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
     qc, kc, vc, gc = map(chunks, (qg, kg, vg, gg))
     bc = chunks(bg[..., None])[..., 0]
     dec = _intra_chunk(qc, kc, gc, None, None, False, bounded, sub)
-    w, u, q_dec = _ut_transform(qc, kc, vc, bc, dec)
+    wu, q_dec = _ut_transform(qc, kc, vc, bc, dec)
+    w, u = wu[..., :kd], wu[..., kd:]
     k_end = _transposed(kc * dec.to_end)  # [GS, B * H, K, C]
     # Per-chunk operands by one split each: its transpose is one concatenate
     # (indexing chunk by chunk would transpose to GS full-size pads and adds).
