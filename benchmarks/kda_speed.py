@@ -13,7 +13,8 @@ round so that cold caches hit all of them alike.
 Reported per row: median milliseconds; the ratio of tokamax's time to ours
 (> 1 means we are faster) as the median over rounds of the ratio within a
 round (this VM has slow spells of seconds, up to 2x; calls of one round share
-them, so a paired ratio is stable where a ratio of two medians is not);
+them, so a paired ratio moves less than a ratio of two medians, though it
+still moves between runs);
 achieved GFLOP/s by the Kimi Linear FLOP count (arXiv 2510.26692 Eq. 13:
 6 T d^2 + 3 T C d + T C^2 per head for the forward, C = 64; the
 forward+backward is counted as 3x that) and its fraction of the matmul's
@@ -127,7 +128,7 @@ def paired(numerator, denominator):
   """Median over rounds of numerator[r] / denominator[r].
 
   Both timed in the same round, seconds apart: this VM's slow spells (a
-  whole round at up to 2x) cancel in the ratio instead of deciding a
+  whole round at up to 2x) mostly cancel in the ratio instead of deciding a
   median taken per implementation.
   """
   return statistics.median(a / b for a, b in zip(numerator, denominator))

@@ -290,19 +290,18 @@ def _intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
   q_row, k_row = q * row, k * row
   rows = jnp.concatenate([blocks(q_row), blocks(k_row)], axis=-2)  # 2S rows
   col = jnp.exp(after)
-  k_col = blocks(k * col)  # [..., NB, S, K]
-  bi = jnp.arange(nb)
-  between = _block_sums(tot, lambda n, m, l: (m < l) & (l < n))
-  mid = _exp_masked(between, (bi[:, None] > bi[None, :])[..., None])
-  on_diag = (bi[:, None] == bi[None, :])[:, :, None, None]
+  if nb > 1:  # columns of earlier blocks, as seen from each row block
+    bi = jnp.arange(nb)
+    between = _block_sums(tot, lambda n, m, l: (m < l) & (l < n))
+    mid = _exp_masked(between, (bi[:, None] > bi[None, :])[..., None])
+    earlier = mid[..., :, :, None, :] * blocks(k * col)[..., None, :, :, :]
+    on_diag = (bi[:, None] == bi[None, :])[:, :, None, None]
 
   def scores(diag_cols):
     # cols[n, m]: the columns of block m as seen from the rows of block n
-    if nb == 1:  # one block: no columns from earlier blocks
-      cols = diag_cols
-    else:
-      cols = jnp.where(on_diag, diag_cols[..., None, :, :, :],
-                       mid[..., :, :, None, :] * k_col[..., None, :, :, :])
+    cols = diag_cols
+    if nb > 1:
+      cols = jnp.where(on_diag, diag_cols[..., None, :, :, :], earlier)
     a = _mm_nt(rows, cols.reshape(batch + (nb, c, kd)))  # [..., NB, 2S, C]
     return (a[..., :sub, :].reshape(batch + (c, c)),
             a[..., sub:, :].reshape(batch + (c, c)))
