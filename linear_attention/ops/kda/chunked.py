@@ -497,8 +497,9 @@ def _grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
   batch) carries the state [B * H, K, V] (`init` [B, H, K, V] float32).
   Inside a step, the group's tokens are prepared (`prep`: `common.prepare`
   on a slice; gates, L2 norm, casts), cut into chunks, their intra-chunk work
-  is batched, the group's chunk states follow one affine map each, and the
-  outputs are read. A whole-sequence pass makes every intermediate
+  is batched, the group's chunks update the state one after another
+  (V_new = U - W X, then X' = exp(G_C) X + K_end^T V_new), and the outputs
+  are read. A whole-sequence pass makes every intermediate
   ([.., C, C] scores, [.., C, K] factors) a DRAM round trip; per group they
   stay in cache, which on a CPU halves the forward. The step is
   `jax.checkpoint`ed: the backward recomputes a group from its inputs and
