@@ -1,8 +1,9 @@
 """Chunked KDA in XLA: the WY / UT-transform form, exact for any decay.
 
 Kimi Linear (arXiv 2510.26692, §3.2). Split the sequence into chunks of
-C tokens (`chunk_size`: 16 on CPU, 64 elsewhere). Inside a chunk, with incoming state X and G_i the cumulative
-log decay from the chunk start up to and including token i:
+C tokens (`chunk_size`: 16 on CPU, 64 elsewhere). Inside a chunk, with
+incoming state X and G_i the cumulative log decay from the chunk start up to
+and including token i:
 
     A[i, j]   = beta_i sum_d k_id k_jd exp(G_id - G_jd)      (j < i)
     M         = (I + A)^-1 Diag(beta)                        (unit lower solve)
@@ -14,17 +15,16 @@ log decay from the chunk start up to and including token i:
 Schedule (`_grouped_core`, inputs without segments). A `lax.scan` over groups
 of chunks (about 1024 tokens x heads at K = 64) carries the state: inside a
 step the group's intra-chunk work is batched (scores, solve, UT transform),
-the group's chunks update the state one after another (two matmuls
-each: W X, then the update above), and the outputs of the whole
-group are read in one batched pass. Every
-intermediate stays in cache; a whole-sequence pass makes each one a DRAM
-round trip (on the 2-core dev machine, memory past the 32 MiB L3 streams at
-~3 GiB/s). The step is `jax.checkpoint`ed, so the backward recomputes a
-group from its inputs and state instead of storing [.., C, C] residuals.
-With segments (`_chunked_core`), the same pieces run over all chunks at once
-and only the chunks' affine state maps are scanned: X_next = T_c X + R_c with
-T_c = Diag(exp(G_C)) - (exp(G_C - G) K)^T W and R_c = (exp(G_C - G) K)^T U
-(a segment start resets the state between them).
+the group's chunks update the state one after another (two matmuls each: W X,
+then the update above), and the outputs of the whole group are read in one
+batched pass. Every intermediate stays in cache; a whole-sequence pass makes
+each one a DRAM round trip (on the 2-core dev machine, memory past the 32 MiB
+L3 streams at ~3 GiB/s). The step is `jax.checkpoint`ed, so the backward
+recomputes a group from its inputs and state instead of storing [.., C, C]
+residuals. With segments (`_chunked_core`), the same pieces run over all
+chunks at once and only the chunks' affine state maps are scanned: X_next =
+T_c X + R_c with T_c = Diag(exp(G_C)) - (exp(G_C - G) K)^T W and R_c =
+(exp(G_C - G) K)^T U (a segment start resets the state between them).
 
 Numerics. Nothing overflows at any decay (a chunk of 64 tokens at
 lower_bound=-5 spans -320; pre-activated decays may go to -1000 and below):
@@ -45,12 +45,10 @@ throughout.
 
 Gradients. Range sums, the UT solve (its VJP is a back substitution) and the
 matmuls whose autodiff form is slow on CPU have custom VJPs (closed forms; a
-forward+backward at (1, 4096, 4, 64) is ~30% faster than with autodiff
-through them), so the
-backend supports reverse-mode differentiation only (`jax.grad`, `jax.vjp`;
-`jax.jvp` raises).
-Measured against a float64 recurrence at T = 4096 (bounds -5 and -1): 4e-7
-relative L2 on the output.
+forward+backward at (1, 4096, 4, 64) is ~30% faster than with autodiff through
+them), so the backend supports reverse-mode differentiation only (`jax.grad`,
+`jax.vjp`; `jax.jvp` raises). Measured against a float64 recurrence at T =
+4096 (bounds -5 and -1): 4e-7 relative L2 on the output.
 
 Packed segments (see `common`): a run of a segment may start anywhere inside a
 chunk. Cumulative decays restart at each run start, A and A_qk are masked to
