@@ -1,8 +1,9 @@
 """Synthetic tasks that probe a mixer's memory (NumPy, deterministic per seed).
 
 `make_task(name, **kwargs)` builds one by name from the config's `task`
-section: `delayed_copy` (copying memory) or `mqar` (Zoology's multi-query
-associative recall).
+section: `delayed_copy` (copying memory), `mqar` (Zoology's multi-query
+associative recall), and the Kimi Linear synthetic suite's `palindrome` and
+`stack` (arXiv 2510.26692, §5.1).
 """
 
 from experiments.tasks.base import Batch
@@ -12,8 +13,11 @@ from experiments.tasks.base import Task
 from experiments.tasks.base import TRAIN_STREAM
 from experiments.tasks.delayed_copy import DelayedCopy
 from experiments.tasks.mqar import MQAR
+from experiments.tasks.palindrome import Palindrome
+from experiments.tasks.stack import Stack
 
-TASKS = {"delayed_copy": DelayedCopy, "mqar": MQAR}
+TASKS = {"delayed_copy": DelayedCopy, "mqar": MQAR, "palindrome": Palindrome,
+         "stack": Stack}
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -26,5 +30,5 @@ def make_task(name: str, **kwargs) -> Task:
     raise ValueError(f"task {name!r}: {e}") from None
 
 
-__all__ = ["Batch", "DelayedCopy", "EVAL_STREAM", "MQAR", "TASKS", "Task",
-           "TRAIN_STREAM", "make_task", "rng"]
+__all__ = ["Batch", "DelayedCopy", "EVAL_STREAM", "MQAR", "Palindrome",
+           "Stack", "TASKS", "Task", "TRAIN_STREAM", "make_task", "rng"]

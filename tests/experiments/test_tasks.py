@@ -105,7 +105,9 @@ def test_delayed_copy_random_delay():
 @pytest.mark.parametrize("task", [
     tasks.MQAR(seq_len=64, num_pairs=4, vocab_size=32),
     tasks.DelayedCopy(num_symbols=5, delay=7, random_delay=True),
-], ids=["mqar", "delayed_copy"])
+    tasks.Palindrome(seq_len=20, alphabet_size=6),
+    tasks.Stack(seq_len=40, num_stacks=4, num_values=5),
+], ids=["mqar", "delayed_copy", "palindrome", "stack"])
 def test_deterministic_per_seed_and_streams_differ(task):
   def draw(seed, stream, index):
     return task.sample(tasks.rng(seed, stream, index), 8).as_dict()
@@ -118,3 +120,127 @@ def test_deterministic_per_seed_and_streams_differ(task):
     assert not np.array_equal(a["inputs"], other["inputs"])
   with pytest.raises(ValueError, match="seed"):
     tasks.rng(-1, 0, 0)
+
+
+def _decode_palindrome(inputs, alphabet_size):
+  """Targets and mask of one row, recomputed from its inputs alone."""
+  t = len(inputs)
+  sep = [i for i, tok in enumerate(inputs) if tok == 1]
+  assert len(sep) == 1, "exactly one separator"
+  n = sep[0]
+  assert n == t // 2
+  string = list(inputs[:n])
+  assert all(2 <= s <= alphabet_size + 1 for s in string)
+  targets, mask = [0] * t, [0.0] * t
+  for j in range(n):  # position n + j predicts the (j+1)-th symbol from the end
+    targets[n + j] = string[n - 1 - j]
+    mask[n + j] = 1.0
+    if j + 1 < n:  # teacher forcing: the next input is this target
+      assert inputs[n + j + 1] == string[n - 1 - j]
+  assert all(tok == 0 for tok in inputs[2 * n:])
+  return targets, mask
+
+
+@pytest.mark.parametrize("seq_len", [2, 9, 64, 257])
+def test_palindrome_targets_match_an_independent_decoder(seq_len):
+  task = tasks.Palindrome(seq_len=seq_len, alphabet_size=5)
+  b = task.sample(tasks.rng(0, tasks.TRAIN_STREAM, 3), 16)
+  assert b.inputs.shape == (16, seq_len) and task.vocab_size == 7
+  for row in range(16):
+    targets, mask = _decode_palindrome(b.inputs[row].tolist(), 5)
+    np.testing.assert_array_equal(b.targets[row], targets)
+    np.testing.assert_array_equal(b.mask[row], mask)
+  assert b.mask.sum() == 16 * (seq_len // 2)
+
+
+def test_palindrome_worked_example_and_statistics():
+  task = tasks.Palindrome(seq_len=8, alphabet_size=4)
+  b = task.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0), 1)
+  x = b.inputs[0, :4]
+  np.testing.assert_array_equal(b.inputs[0, 4:],
+                                [1, x[3], x[2], x[1]])
+  np.testing.assert_array_equal(b.targets[0, 4:], x[::-1])
+  assert task.chance_accuracy == pytest.approx(1 / 4)
+  big = tasks.Palindrome(seq_len=512, alphabet_size=8).sample(
+      tasks.rng(1, tasks.TRAIN_STREAM, 0), 64)
+  counts = np.bincount(big.targets[big.mask == 1], minlength=10)[2:]
+  assert counts.min() > 0.8 * counts.mean()  # letters uniform
+  with pytest.raises(ValueError, match="task.alphabet_size"):
+    tasks.Palindrome(alphabet_size=1)
+  with pytest.raises(ValueError, match="task.seq_len"):
+    tasks.Palindrome(seq_len=1)
+
+
+def _decode_stack(inputs, num_stacks, num_values):
+  """Targets and mask of one row from a plain Python stack simulation.
+
+  Parses the token stream (PUSH id x / POP id, then filler), keeps one
+  Python list per stack id, and checks that the stream is well formed.
+  """
+  first_value = 3 + num_stacks
+  stacks = {s: [] for s in range(3, 3 + num_stacks)}
+  t = len(inputs)
+  targets, mask = [0] * t, [0.0] * t
+  i, pushes, pops = 0, 0, 0  # operations chosen while a POP was possible
+  while i < t and inputs[i] != 0:
+    op = inputs[i]
+    free_choice = any(stacks.values()) and t - i >= 3
+    if op == 1:
+      sid, value = inputs[i + 1], inputs[i + 2]
+      assert sid in stacks, (i, sid)
+      assert first_value <= value < first_value + num_values, (i, value)
+      stacks[sid].append(value)
+      pushes += free_choice
+      i += 3
+    elif op == 2:
+      sid = inputs[i + 1]
+      assert stacks[sid], f"POP of the empty stack {sid} at {i}"
+      targets[i + 1] = stacks[sid].pop()
+      mask[i + 1] = 1.0
+      pops += free_choice
+      i += 2
+    else:
+      raise AssertionError(f"token {op} at {i} is not an operation")
+  assert all(tok == 0 for tok in inputs[i:])
+  # The stream stops only when no operation fits.
+  assert t - i < 2 or (t - i == 2 and not any(stacks.values()))
+  return targets, mask, pushes, pops
+
+
+@pytest.mark.parametrize("seq_len,num_stacks,p", [
+    (5, 1, 0.5), (64, 4, 0.5), (257, 64, 0.5), (300, 3, 0.2), (128, 8, 0.9)])
+def test_stack_targets_match_a_python_stack_simulation(seq_len, num_stacks, p):
+  task = tasks.Stack(seq_len=seq_len, num_stacks=num_stacks, num_values=6,
+                     push_probability=p)
+  b = task.sample(tasks.rng(2, tasks.TRAIN_STREAM, 1), 24)
+  assert task.vocab_size == 3 + num_stacks + 6
+  assert b.inputs.shape == (24, seq_len)
+  pushes = pops = 0
+  for row in range(24):
+    targets, mask, n_push, n_pop = _decode_stack(b.inputs[row].tolist(),
+                                                 num_stacks, 6)
+    np.testing.assert_array_equal(b.targets[row], targets)
+    np.testing.assert_array_equal(b.mask[row], mask)
+    pushes, pops = pushes + n_push, pops + n_pop
+  assert b.mask.sum() > 0
+  if seq_len >= 128:  # the mix of operations follows push_probability
+    assert abs(pushes / (pushes + pops) - p) < 0.1, pushes / (pushes + pops)
+
+
+def test_stack_worked_example_and_validation():
+  task = tasks.Stack(seq_len=12, num_stacks=2, num_values=3)
+  assert (task.first_value, task.vocab_size) == (5, 8)
+  assert task.chance_accuracy == pytest.approx(1 / 3)
+  # A deep single stack: pops return values in reverse push order.
+  deep = tasks.Stack(seq_len=400, num_stacks=1, num_values=50,
+                     push_probability=0.7)
+  b = deep.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0), 4)
+  for row in range(4):
+    targets, _, _, _ = _decode_stack(b.inputs[row].tolist(), 1, 50)
+    np.testing.assert_array_equal(b.targets[row], targets)
+  for field, kw in (("task.num_stacks", dict(num_stacks=0)),
+                    ("task.num_values", dict(num_values=1)),
+                    ("task.push_probability", dict(push_probability=1.0)),
+                    ("task.seq_len", dict(seq_len=4))):
+    with pytest.raises(ValueError, match=field):
+      tasks.Stack(**kw)
