@@ -32,3 +32,64 @@ def plot_accuracy(curves: Mapping[str, tuple[Sequence[int], Sequence[float]]],
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
+
+
+def plot_bands_by_task(
+    series: Mapping[tuple[str, str], tuple[Sequence[float], ...]], *,
+    tasks: Sequence[str], mixers: Sequence[str],
+    chance: Mapping[str, float | None], log_x: bool, xlabel: str,
+    ylabel: str, title: str, path: str) -> None:
+  """One panel per task; per mixer a mean line with a min-max band.
+
+  Args:
+    series: (task, mixer) -> (x, mean, low, high, count), accuracies as
+      fractions; `count` (seeds behind each point) is written beside the
+      last point when it is not the same for every point of the sweep.
+    tasks: panel order.
+    mixers: line order (colours are stable across panels).
+    chance: task -> chance accuracy (a dashed line), or None.
+    log_x: a log2 x axis (for lengths).
+    xlabel, ylabel, title: labels.
+    path: where to write the PNG.
+  """
+  fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8),
+                           dpi=120, squeeze=False)
+  colors = {m: f"C{i}" for i, m in enumerate(mixers)}
+  counts = {n for s in series.values() for n in s[4]}
+  for ax, task in zip(axes[0], tasks):
+    for mixer in mixers:
+      if (task, mixer) not in series:
+        continue
+      x, mean, low, high, count = series[(task, mixer)]
+      pct = lambda v: [100 * a for a in v]
+      ax.plot(x, pct(mean), marker="o", markersize=3, color=colors[mixer],
+              label=mixer)
+      ax.fill_between(x, pct(low), pct(high), color=colors[mixer],
+                      alpha=0.2, linewidth=0)
+      if len(counts) > 1:
+        ax.annotate(f"n={count[-1]}", (x[-1], 100 * mean[-1]), fontsize=6,
+                    color=colors[mixer], xytext=(3, 0),
+                    textcoords="offset points")
+    if chance.get(task) is not None:
+      ax.axhline(100 * chance[task], color="gray", linestyle="--",
+                 linewidth=1, label="chance")
+    if log_x:
+      ax.set_xscale("log", base=2)
+      xs = sorted({v for (t, _), s in series.items() if t == task
+                   for v in s[0]})
+      ax.set_xticks(xs, [str(int(v)) for v in xs])
+    ax.set_ylim(-2, 102)
+    ax.set_title(task)
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel(ylabel)
+  handles = {}
+  for ax in axes[0]:
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+      handles.setdefault(label, handle)
+  fig.legend(handles.values(), handles.keys(), loc="lower center",
+             ncol=len(handles), fontsize=7, frameon=False)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout(rect=(0, 0.06, 1, 1))
+  fig.savefig(path)
+  plt.close(fig)

@@ -1,0 +1,75 @@
+r"""Runs a sweep config: every unfinished run, then the results and figures.
+
+  python -m experiments.sweep --config=configs/sweeps/kimi_synthetic.py \
+      --workdir=workdirs/kimi_synthetic [--only=mqar_T512/] [--aggregate_only]
+
+Resumable: finished runs (those with a summary.json) are skipped and a run
+killed half way resumes from its last checkpoint. Several processes may work
+on one workdir (each claims a run through a lock file); every process writes
+results.md, results.json and the figures when it has nothing left to train.
+`--only` keeps the runs whose name contains the string (a cell
+`mqar_T512/`, a mixer `/gdn_`, one run `mqar_T512/kda_seed1_lr0.003`).
+`--list` prints the runs and whether each is done. Flags are read here and
+nowhere else; see experiments/sweep_lib.py for the layout.
+"""
+
+import os
+import subprocess
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import sweep_lib
+from experiments import train
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Sweep config, e.g. configs/sweeps/kimi_synthetic.py.",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+_ONLY = flags.DEFINE_string(
+    "only", None, "Train only the runs whose name contains this string.")
+_AGGREGATE_ONLY = flags.DEFINE_bool(
+    "aggregate_only", False, "Train nothing; write the results of the"
+    " finished runs.")
+_LIST = flags.DEFINE_bool("list", False, "Print the runs and exit.")
+
+
+def _code_version() -> str:
+  """The git commit of this checkout (with '+dirty' for local changes)."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here,
+                            capture_output=True, text=True,
+                            check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "."],
+                           cwd=os.path.dirname(here), capture_output=True,
+                           text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return commit + ("+dirty" if dirty else "")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  sweep, workdir = _CONFIG.value, _WORKDIR.value
+  if sweep is None or not workdir:
+    raise app.UsageError("--config and --workdir are required.")
+  if _LIST.value:
+    for run in sweep_lib.expand(sweep):
+      if _ONLY.value is None or _ONLY.value in run.name:
+        done = sweep_lib.is_done(os.path.join(workdir, run.name))
+        print(f"{'done' if done else 'todo'}  {run.name}")
+    return
+  train.quiet_orbax_logs()
+  if not _AGGREGATE_ONLY.value:
+    sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value)
+  results = sweep_lib.aggregate(
+      sweep, workdir, metadata=dict(commit=_code_version()))
+  print(sweep_lib.results_markdown(results))  # the CLI's one output
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "workdir"])
+  app.run(main)

@@ -1,0 +1,423 @@
+"""Sweeps: a grid of ordinary runs, resumable, with seeds aggregated.
+
+A sweep config (e.g. configs/sweeps/kimi_synthetic.py) holds
+
+* `base`: an ordinary experiment config (model, train, mesh); its `task`,
+  `seed`, `model.mixer`, `train.learning_rate` and `train.num_steps` are
+  set per run;
+* `cells`: a tuple of dicts `dict(task=<task fields>, num_steps=<cap>,
+  batch_size=<B>)`, one per (task, length); `batch_size` (optional) sets
+  the training and held-out batch of that cell;
+* `mixers`, `seeds`, `learning_rates`: the axes crossed with every cell;
+* `ablation`: `dict(mixer=..., seq_len=..., seeds=...)`, extra runs of one
+  mixer (e.g. `kda_zeroed`) on the cells of that length.
+
+`expand(sweep)` lists the runs; `run_sweep` trains every run that has no
+`summary.json` yet into `<workdir>/<task>_T<len>/<mixer>_seed<s>_lr<lr>/`
+(each an ordinary, resumable run directory), so a killed sweep continues
+where it stopped. Several processes may work on one workdir at once: each
+run is claimed by creating `<run dir>.lock` (holding the claimer's pid);
+a lock whose process is gone is taken over.
+
+`aggregate(sweep, workdir)` writes `results.json` (every run summary and one
+record per cell), `results.md` (one row per (task, length, mixer): mean, min
+and max over seeds of the best held-out accuracy and of the steps to 99%)
+and two figures: `accuracy_vs_length.png` (per task, mean with a min-max
+band over seeds) and `curves_T<len>.png` (held-out accuracy against step at
+one length, mean and band). With several learning rates a cell reports the
+rate whose mean best accuracy over seeds is highest (the protocol of
+Kimi Linear §5.1, best of a learning-rate grid), with every rate's runs kept
+in results.json.
+"""
+
+import copy
+import dataclasses
+import errno
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from absl import logging
+import ml_collections
+import numpy as np
+
+from experiments import plotting
+from experiments import train
+
+LOCK_SUFFIX = ".lock"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One run of a sweep: where it goes and the config it trains."""
+
+  name: str  # "<task>_T<len>/<mixer>_seed<s>_lr<lr>"
+  task: str
+  seq_len: int
+  mixer: str
+  seed: int
+  learning_rate: float
+  config: ml_collections.ConfigDict
+
+
+def cell_name(task: str, seq_len: int) -> str:
+  return f"{task}_T{seq_len}"
+
+
+def run_name(task: str, seq_len: int, mixer: str, seed: int,
+             lr: float) -> str:
+  return f"{cell_name(task, seq_len)}/{mixer}_seed{seed}_lr{lr:g}"
+
+
+def _run(sweep, cell, mixer: str, seed: int, lr: float) -> Run:
+  config = copy.deepcopy(sweep.base)
+  config.unlock()
+  config.task = ml_collections.ConfigDict(dict(cell["task"]))
+  config.seed = seed
+  config.model.mixer = mixer
+  config.train.learning_rate = lr
+  config.train.num_steps = cell["num_steps"]
+  if "batch_size" in cell:
+    config.train.batch_size = cell["batch_size"]
+    config.train.eval_batch_size = cell["batch_size"]
+  config.lock()
+  task, seq_len = cell["task"]["name"], cell["task"]["seq_len"]
+  return Run(name=run_name(task, seq_len, mixer, seed, lr), task=task,
+             seq_len=seq_len, mixer=mixer, seed=seed, learning_rate=lr,
+             config=config)
+
+
+def validate_sweep(sweep) -> None:
+  """Raises ValueError naming the first bad field of a sweep config."""
+  for field in ("base", "cells", "mixers", "seeds", "learning_rates"):
+    if field not in sweep:
+      raise ValueError(f"the sweep config needs a field {field!r}.")
+  for field in ("cells", "mixers", "seeds", "learning_rates"):
+    if not sweep[field]:
+      raise ValueError(f"sweep.{field} must be non-empty.")
+  seen = set()
+  for i, cell in enumerate(sweep.cells):
+    if not {"task", "num_steps"} <= set(cell):
+      raise ValueError(f"sweep.cells[{i}] must have 'task' and 'num_steps';"
+                       f" got {sorted(cell)}.")
+    key = (cell["task"].get("name"), cell["task"].get("seq_len"))
+    if key in seen:
+      raise ValueError(f"sweep.cells[{i}] repeats the cell {key}.")
+    seen.add(key)
+  if len(set(sweep.seeds)) != len(sweep.seeds):
+    raise ValueError(f"sweep.seeds must be distinct; got {sweep.seeds}.")
+
+
+def expand(sweep) -> list[Run]:
+  """Every run of the sweep, seeds outermost (all cells of seed 0 first).
+
+  Seeds outermost means a sweep stopped half way has every cell covered by
+  its first seeds, not some cells with all seeds and others with none.
+  """
+  validate_sweep(sweep)
+  runs = []
+  for seed in sweep.seeds:
+    for cell in sorted(sweep.cells, key=lambda c: c["task"]["seq_len"]):
+      for mixer in sweep.mixers:
+        for lr in sweep.learning_rates:
+          runs.append(_run(sweep, cell, mixer, seed, lr))
+  ablation = sweep.get("ablation")
+  if ablation:
+    for seed in ablation["seeds"]:
+      for cell in sweep.cells:
+        if cell["task"]["seq_len"] == ablation["seq_len"]:
+          runs.append(_run(sweep, cell, ablation["mixer"], seed,
+                           sweep.learning_rates[0]))
+  for run in runs:
+    train.validate_config(run.config)
+  return runs
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def claim(run_dir: str) -> bool:
+  """Creates `run_dir`.lock for this process; False if a live one holds it."""
+  path = run_dir + LOCK_SUFFIX
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  for _ in range(2):
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+      try:
+        with open(path) as f:
+          pid = int(f.read().strip() or 0)
+      except (OSError, ValueError):
+        pid = 0
+      if pid and (pid == os.getpid() or _pid_alive(pid)):
+        return pid == os.getpid()
+      logging.info("Taking over %s (its process %d is gone).", path, pid)
+      try:
+        os.unlink(path)
+      except OSError as e:
+        if e.errno != errno.ENOENT:
+          raise
+      continue
+    with os.fdopen(fd, "w") as f:
+      f.write(str(os.getpid()))
+    return True
+  return False
+
+
+def release(run_dir: str) -> None:
+  try:
+    os.unlink(run_dir + LOCK_SUFFIX)
+  except FileNotFoundError:
+    pass
+
+
+def is_done(run_dir: str) -> bool:
+  return (os.path.exists(os.path.join(run_dir, "summary.json"))
+          or os.path.exists(os.path.join(run_dir, "error.json")))
+
+
+def run_sweep(sweep, workdir: str, *, only: str | None = None,
+              train_fn: Callable[..., Any] = train.train_and_evaluate
+              ) -> list[Run]:
+  """Trains every unfinished run (whose name contains `only`, if given).
+
+  A run whose training fails with non-finite gradients is recorded as
+  `error.json` in its directory (a divergence is a result, not a crash of
+  the sweep); any other error stops the sweep. Returns the runs this process
+  trained.
+  """
+  runs = [r for r in expand(sweep) if only is None or only in r.name]
+  if not runs:
+    raise ValueError(f"no run of the sweep matches {only!r}.")
+  todo = [r for r in runs if not is_done(os.path.join(workdir, r.name))]
+  logging.info("Sweep: %d runs, %d done, %d to do.", len(runs),
+               len(runs) - len(todo), len(todo))
+  trained, t0 = [], time.time()
+  for i, run in enumerate(todo):
+    run_dir = os.path.join(workdir, run.name)
+    if is_done(run_dir) or not claim(run_dir):
+      continue  # finished or being trained by another process
+    try:
+      if is_done(run_dir):  # finished between the check and the claim
+        continue
+      logging.info("Sweep run %d/%d: %s", i + 1, len(todo), run.name)
+      try:
+        with train.backend_context(run.config):
+          train_fn(run.config, run_dir)
+      except FloatingPointError as e:
+        logging.warning("Run %s diverged: %s", run.name, e)
+        with open(os.path.join(run_dir, "error.json"), "w") as f:
+          json.dump(dict(error=str(e)), f)
+      trained.append(run)
+      elapsed = time.time() - t0
+      logging.info("Sweep: %d runs trained by this process in %.0f s.",
+                   len(trained), elapsed)
+    finally:
+      release(run_dir)
+  return trained
+
+
+def _read_run(run_dir: str) -> dict[str, Any] | None:
+  """The run's summary plus its eval curve, or None when not finished."""
+  evals = []
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if os.path.exists(path):
+    with open(path) as f:
+      evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
+  summary_path = os.path.join(run_dir, "summary.json")
+  error_path = os.path.join(run_dir, "error.json")
+  if os.path.exists(summary_path):
+    with open(summary_path) as f:
+      summary = json.load(f)
+  elif os.path.exists(error_path):
+    with open(error_path) as f:
+      summary = dict(error=json.load(f)["error"],
+                     best_eval_accuracy=max(
+                         (r["accuracy"] for r in evals), default=None),
+                     steps_to_99=None, wall_seconds=None)
+  else:
+    return None
+  summary["eval_steps"] = [r["step"] for r in evals]
+  summary["eval_accuracy"] = [r["accuracy"] for r in evals]
+  return summary
+
+
+def _stats(values: Sequence[float]) -> dict[str, float] | None:
+  if not values:
+    return None
+  return dict(mean=float(np.mean(values)), min=float(np.min(values)),
+              max=float(np.max(values)))
+
+
+def aggregate(sweep, workdir: str, *,
+              metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Writes results.json, results.md and the figures; returns the results.
+
+  Covers the finished runs only; a cell lists how many seeds it has, so a
+  partial sweep's tables say what is missing.
+  """
+  runs = expand(sweep)
+  found = []
+  for run in runs:
+    summary = _read_run(os.path.join(workdir, run.name))
+    if summary is not None:
+      found.append((run, summary))
+  cells: dict[tuple, dict[float, list]] = {}
+  for run, summary in found:
+    key = (run.task, run.seq_len, run.mixer)
+    cells.setdefault(key, {}).setdefault(run.learning_rate, []).append(
+        (run, summary))
+  records = []
+  for (task, seq_len, mixer), by_lr in cells.items():
+    def mean_best(items):
+      return np.mean([s["best_eval_accuracy"] or 0.0 for _, s in items])
+    lr = max(by_lr, key=lambda x: (mean_best(by_lr[x]), -x))
+    items = sorted(by_lr[lr], key=lambda rs: rs[0].seed)
+    best = [s["best_eval_accuracy"] for _, s in items
+            if s["best_eval_accuracy"] is not None]
+    reached = [s["steps_to_99"] for _, s in items
+               if s["steps_to_99"] is not None]
+    records.append(dict(
+        task=task, seq_len=seq_len, mixer=mixer, learning_rate=lr,
+        seeds=[r.seed for r, _ in items], best_accuracy=_stats(best),
+        steps_to_99=_stats(reached), num_reached_99=len(reached),
+        num_diverged=sum("error" in s for _, s in items),
+        chance_accuracy=next((s.get("chance_accuracy") for _, s in items
+                              if s.get("chance_accuracy") is not None), None),
+        num_steps=items[0][0].config.train.num_steps,
+        wall_seconds=float(sum(s["wall_seconds"] or 0 for _, s in items)),
+    ))
+  order = {m: i for i, m in enumerate(
+      list(sweep.mixers) + [sweep.get("ablation", {}).get("mixer")])}
+  records.sort(key=lambda r: (r["task"], r["seq_len"], order.get(r["mixer"],
+                                                                 99)))
+  results = dict(
+      sweep=sweep.get("name", "sweep"),
+      metadata=metadata or {},
+      num_runs=len(runs), num_finished=len(found),
+      train_seconds=float(sum(s.get("wall_seconds") or 0 for _, s in found)),
+      cells=records,
+      runs=[dict(name=r.name, **{k: v for k, v in s.items()})
+            for r, s in found])
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(workdir, "results.md"), "w") as f:
+    f.write(results_markdown(results))
+  if records:
+    plot_sweep(results, sweep, workdir)
+  return results
+
+
+def _pct(stats, key) -> str:
+  return "-" if stats is None else f"{100 * stats[key]:.1f}"
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+  """One row per (task, length, mixer): seeds' mean [min, max]."""
+  meta = results["metadata"]
+  lines = [f"# {results['sweep']}: best held-out accuracy over seeds", ""]
+  if meta:
+    lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+  lines += [
+      f"{results['num_finished']} of {results['num_runs']} runs finished;"
+      f" {results['train_seconds'] / 3600:.2f} hours of training (after"
+      " compilation, summed over runs).", "",
+      "| task | T | mixer | lr | seeds | best acc % mean [min, max] |"
+      " reached 99% | steps to 99% mean [min, max] | step cap | chance % |",
+      "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in results["cells"]:
+    acc = r["best_accuracy"]
+    steps = r["steps_to_99"]
+    acc_s = ("-" if acc is None else
+             f"{_pct(acc, 'mean')} [{_pct(acc, 'min')}, {_pct(acc, 'max')}]")
+    steps_s = ("-" if steps is None else
+               f"{steps['mean']:.0f} [{steps['min']:.0f}, {steps['max']:.0f}]")
+    chance = r["chance_accuracy"]
+    lines.append(
+        f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
+        f" {r['learning_rate']:g} | {len(r['seeds'])} | {acc_s} |"
+        f" {r['num_reached_99']}/{len(r['seeds'])} | {steps_s} |"
+        f" {r['num_steps']} |"
+        f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
+  return "\n".join(lines) + "\n"
+
+
+def _curve_on_grid(steps, accs, grid):
+  """A run's eval curve on `grid`; after an early stop it holds its last value.
+
+  A run stops once it reaches the target accuracy, so holding its last
+  value is what it would have kept (within evaluation noise).
+  """
+  if not steps:
+    return np.full(len(grid), np.nan)
+  out = np.interp(grid, steps, accs)
+  out[np.asarray(grid) > steps[-1]] = accs[-1]
+  return out
+
+
+def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
+  """accuracy_vs_length.png and curves_T<len>.png for the curve length."""
+  cells = results["cells"]
+  tasks = sorted({c["task"] for c in cells})
+  mixers = [m for m in list(sweep.mixers) + [
+      sweep.get("ablation", {}).get("mixer")] if m]
+  series = {}
+  for task in tasks:
+    for mixer in mixers:
+      rows = sorted((c for c in cells
+                     if c["task"] == task and c["mixer"] == mixer
+                     and c["best_accuracy"] is not None),
+                    key=lambda c: c["seq_len"])
+      if rows:
+        series[(task, mixer)] = (
+            [c["seq_len"] for c in rows],
+            [c["best_accuracy"]["mean"] for c in rows],
+            [c["best_accuracy"]["min"] for c in rows],
+            [c["best_accuracy"]["max"] for c in rows],
+            [len(c["seeds"]) for c in rows])
+  chance = {c["task"]: c["chance_accuracy"] for c in cells}
+  plotting.plot_bands_by_task(
+      series, tasks=tasks, mixers=mixers, chance=chance, log_x=True,
+      xlabel="sequence length T", ylabel="best held-out accuracy (%)",
+      title="best held-out accuracy vs length (mean, band: min-max over"
+      " seeds)", path=os.path.join(workdir, "accuracy_vs_length.png"))
+  curve_len = sweep.get("curve_seq_len")
+  if not curve_len:
+    return
+  runs_by_key = {}
+  for run in results["runs"]:
+    task_len, rest = run["name"].split("/")
+    runs_by_key.setdefault((task_len, rest.rsplit("_seed", 1)[0],
+                            rest.rsplit("_lr", 1)[1]), []).append(run)
+  curves = {}
+  for c in cells:
+    if c["seq_len"] != curve_len:
+      continue
+    key = (cell_name(c["task"], c["seq_len"]), c["mixer"],
+           f"{c['learning_rate']:g}")
+    runs = runs_by_key.get(key, [])
+    if not runs:
+      continue
+    last = max(r["eval_steps"][-1] for r in runs if r["eval_steps"])
+    grid = np.unique(np.concatenate(
+        [r["eval_steps"] for r in runs] + [[last]]))
+    ys = np.stack([_curve_on_grid(r["eval_steps"], r["eval_accuracy"], grid)
+                   for r in runs])
+    curves[(c["task"], c["mixer"])] = (
+        list(grid), list(np.nanmean(ys, 0)), list(np.nanmin(ys, 0)),
+        list(np.nanmax(ys, 0)), [len(runs)] * len(grid))
+  if curves:
+    plotting.plot_bands_by_task(
+        curves, tasks=tasks, mixers=mixers, chance=chance, log_x=False,
+        xlabel="training step", ylabel="held-out accuracy (%)",
+        title=f"held-out accuracy at T={curve_len} (mean, band: min-max over"
+        " seeds)", path=os.path.join(workdir, f"curves_T{curve_len}.png"))
