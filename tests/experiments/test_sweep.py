@@ -1,0 +1,162 @@
+"""The sweep: grid expansion, resumable runs, parallel claims, aggregation."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs.sweeps import kimi_synthetic
+from experiments import sweep_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+
+def test_the_kimi_synthetic_grid():
+  sweep = kimi_synthetic.get_config()
+  runs = sweep_lib.expand(sweep)
+  main = [r for r in runs if r.mixer != "kda_zeroed"]
+  assert len(main) == 3 * 3 * 3 * 3  # tasks x lengths x mixers x seeds
+  assert {(r.task, r.seq_len) for r in main} == {
+      (t, n) for t in ("palindrome", "mqar", "stack") for n in (256, 512, 1024)}
+  zeroed = [r for r in runs if r.mixer == "kda_zeroed"]
+  assert sorted(r.task for r in zeroed) == ["mqar", "palindrome", "stack"]
+  assert len({r.name for r in runs}) == len(runs)
+  # Seeds outermost: every run of seed 0 comes before any of seed 1.
+  seeds = [r.seed for r in main]
+  assert seeds == sorted(seeds)
+  for r in runs:  # tokens per step are the same at every length
+    assert r.config.train.batch_size * r.seq_len == 8192
+    assert r.config.task.seq_len == r.seq_len
+    assert r.config.model.mixer == r.mixer and r.config.seed == r.seed
+  mqar = {r.seq_len: r.config.task for r in main if r.task == "mqar"}
+  assert [mqar[n].num_pairs for n in (256, 512, 1024)] == [16, 24, 32]
+
+
+def test_sweep_config_errors():
+  sweep = kimi_synthetic.get_config("smoke")
+  with pytest.raises(ValueError, match="variant"):
+    kimi_synthetic.get_config("tiny")
+  bad = sweep.copy_and_resolve_references()
+  bad.unlock()
+  bad.cells = bad.cells + (bad.cells[0],)
+  with pytest.raises(ValueError, match="repeats the cell"):
+    sweep_lib.expand(bad)
+  bad.cells = ()
+  with pytest.raises(ValueError, match="sweep.cells must be non-empty"):
+    sweep_lib.expand(bad)
+
+
+def test_claims_skip_live_processes_and_take_over_dead_ones(tmp_path):
+  run_dir = str(tmp_path / "cell" / "run")
+  assert sweep_lib.claim(run_dir)
+  assert sweep_lib.claim(run_dir)  # this process holds it already
+  sweep_lib.release(run_dir)
+  with open(run_dir + ".lock", "w") as f:  # a live process (our parent)
+    f.write(str(os.getppid()))
+  assert not sweep_lib.claim(run_dir)
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  with open(run_dir + ".lock", "w") as f:
+    f.write(str(dead.pid))
+  assert sweep_lib.claim(run_dir)
+  with open(run_dir + ".lock") as f:
+    assert int(f.read()) == os.getpid()
+  sweep_lib.release(run_dir)
+  assert not os.path.exists(run_dir + ".lock")
+
+
+def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
+  sweep = kimi_synthetic.get_config("smoke")
+  workdir = str(tmp_path)
+  only = "stack_T32/"
+  trained = sweep_lib.run_sweep(sweep, workdir, only=only)
+  assert sorted(r.name for r in trained) == [
+      "stack_T32/attention_seed0_lr0.003", "stack_T32/attention_seed1_lr0.003",
+      "stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"]
+  for r in trained:
+    run_dir = os.path.join(workdir, r.name)
+    assert os.path.isfile(os.path.join(run_dir, "summary.json"))
+    assert not os.path.exists(run_dir + ".lock")
+  # Rerunning trains nothing; a run held by a live process is skipped.
+  assert sweep_lib.run_sweep(sweep, workdir, only=only) == []
+  held = os.path.join(workdir, "palindrome_T16/kda_seed0_lr0.003")
+  os.makedirs(os.path.dirname(held), exist_ok=True)
+  with open(held + ".lock", "w") as f:
+    f.write(str(os.getppid()))
+  assert sweep_lib.run_sweep(
+      sweep, workdir, only="palindrome_T16/kda_seed0") == []
+  with pytest.raises(ValueError, match="no run of the sweep"):
+    sweep_lib.run_sweep(sweep, workdir, only="nothing")
+
+  results = sweep_lib.aggregate(sweep, workdir, metadata=dict(commit="x"))
+  assert results["num_finished"] == 4 and results["num_runs"] == 13
+  (kda,) = [c for c in results["cells"] if c["mixer"] == "kda"]
+  best = []
+  for seed in (0, 1):
+    with open(os.path.join(workdir, f"stack_T32/kda_seed{seed}_lr0.003",
+                           "metrics.jsonl")) as f:
+      best.append(max(r["accuracy"] for r in map(json.loads, f)
+                      if r["split"] == "eval"))
+  assert kda["seeds"] == [0, 1]
+  assert kda["best_accuracy"]["mean"] == pytest.approx(np.mean(best))
+  assert kda["best_accuracy"]["min"] == pytest.approx(min(best))
+  for name in ("results.json", "results.md", "accuracy_vs_length.png",
+               "curves_T32.png"):
+    assert os.path.isfile(os.path.join(workdir, name)), name
+  with open(os.path.join(workdir, "results.md")) as f:
+    md = f.read()
+  assert "4 of 13 runs finished" in md and "| stack | 32 | kda |" in md
+
+
+def _fake_run(workdir, name, best, steps_to_99=None, error=None):
+  run_dir = os.path.join(workdir, name)
+  os.makedirs(run_dir)
+  evals = [dict(step=0, split="eval", accuracy=0.0),
+           dict(step=25, split="eval", accuracy=best)]
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in evals)
+  if error:
+    with open(os.path.join(run_dir, "error.json"), "w") as f:
+      json.dump(dict(error=error), f)
+    return
+  with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    json.dump(dict(best_eval_accuracy=best, steps_to_99=steps_to_99,
+                   chance_accuracy=0.25, wall_seconds=10.0), f)
+
+
+def test_aggregate_picks_the_best_learning_rate_and_counts_divergence(
+    tmp_path):
+  sweep = kimi_synthetic.get_config("smoke").copy_and_resolve_references()
+  sweep.unlock()
+  sweep.learning_rates = (1e-3, 3e-3)
+  sweep.mixers = ("kda",)
+  sweep.ablation = {}
+  workdir = str(tmp_path)
+  cell = "palindrome_T16"
+  _fake_run(workdir, f"{cell}/kda_seed0_lr0.001", 0.5)
+  _fake_run(workdir, f"{cell}/kda_seed1_lr0.001", 0.7)
+  _fake_run(workdir, f"{cell}/kda_seed0_lr0.003", 1.0, steps_to_99=25)
+  _fake_run(workdir, f"{cell}/kda_seed1_lr0.003", 0.3, error="diverged")
+  results = sweep_lib.aggregate(sweep, workdir)
+  (rec,) = results["cells"]
+  # Mean best accuracy: 0.6 at 1e-3, 0.65 at 3e-3 (the diverged run's best).
+  assert rec["learning_rate"] == 3e-3
+  assert rec["best_accuracy"] == dict(mean=pytest.approx(0.65), min=0.3,
+                                      max=1.0)
+  assert rec["num_reached_99"] == 1 and rec["num_diverged"] == 1
+  assert rec["steps_to_99"]["mean"] == 25
+
+
+def test_sweep_cli_lists_runs(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.sweep",
+       "--config=configs/sweeps/kimi_synthetic.py:smoke",
+       f"--workdir={tmp_path}", "--list", "--only=palindrome_T32/"],
+      cwd=REPO, capture_output=True, text=True, check=True).stdout
+  lines = out.strip().splitlines()
+  assert len(lines) == 4 and all(l.startswith("todo  palindrome_T32/")
+                                 for l in lines)
