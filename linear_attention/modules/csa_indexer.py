@@ -5,7 +5,7 @@ D indexer head dim, r compress_rate, W = floor(S / r) compressed blocks,
 k top-k.
 
 Sources: DeepSeek-V4 inference code (`Compressor`, `Indexer`), MaxText
-`kernels/attention/csa_streamindex.py`; see NOTES "DeepSeek-V4 CSA indexer".
+`kernels/attention/csa_streamindex.py`.
 
 Compressor (overlapping windows of 2r tokens). Per token t, two linear maps
 give kv_t, z_t in R^{2D}; z gets a learned position bias ape[t mod r]. Block

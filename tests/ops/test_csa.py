@@ -1,7 +1,7 @@
 """CSA indexer score: every backend against a float64 NumPy oracle.
 
-The oracle below is written from the formulas (DeepSeek-V4 indexer; NOTES
-"DeepSeek-V4 CSA indexer"), not from the library: forward, and the three
+The oracle below is written from the formulas (DeepSeek-V4 inference code,
+MaxText `csa_streamindex.py`), not from the library: forward, and the three
 gradients under a random cotangent G (masked entries zeroed):
 dweights = c sum_w G relu(A); dA = c G weights 1[A > 0]; dq = sum_w dA k;
 dk = sum_{h,s} dA q. Masked cotangent entries are NaN in every gradient

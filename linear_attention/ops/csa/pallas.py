@@ -1,6 +1,7 @@
 """Fused Pallas (TPU-style) kernels for the CSA indexer score, fwd and bwd.
 
-Math (DeepSeek-V4 indexer; NOTES "DeepSeek-V4 CSA indexer"), c = softmax_scale,
+Math (DeepSeek-V4 inference code `Indexer`; MaxText
+`kernels/attention/csa_streamindex.py`), c = softmax_scale,
 A[b, s, h, w] = q[b, s, h, :] . k[b, w, :]:
 
     score    = c sum_h weights relu(A)                (masked entries: -inf)

@@ -12,7 +12,7 @@ The largest temporary is [B, block_q, head_chunk, W].
 
 Backward (`jax.custom_vjp`; the residuals are the inputs only): the same two
 loops recompute A tile by tile, with G = dL/dscore zeroed on masked entries
-(DeepSeek-V4 indexer gradients, see NOTES "DeepSeek-V4 CSA indexer"):
+(DeepSeek-V4 inference code `Indexer`, MaxText `csa_streamindex.py`):
 
     dweights = c sum_w G relu(A)
     dA       = c G weights 1[A > 0]
