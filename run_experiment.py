@@ -8,7 +8,7 @@ r"""Trains one experiment config: the absl entry point.
 The config is locked: a misspelt override fails before anything runs.
 Rerunning with the same workdir resumes from the latest checkpoint. With
 `model.kda.backend=mosaic` on a machine whose default device is not a TPU,
-the run goes inside `linear_attention.testing.mosaic_interpret_mode()`.
+the run goes inside `linear_attention.ops.kda.mosaic.interpret_mode()`.
 Flags are read here, in `main`, and nowhere else.
 """
 

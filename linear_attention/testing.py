@@ -1,61 +1,10 @@
-"""Helpers for tests: tolerances, and tokamax's Mosaic KDA kernel on CPU.
+"""Test tolerances and comparisons (relative L2 errors), for the tests only.
 
-`mosaic_interpret_mode()` is the one documented switch that lets the real
-tokamax Pallas/Mosaic kernel run off-TPU: inside it, Pallas calls run in
-interpret mode (tokamax reads `PALLAS_INTERPRET=1`), the kernel's VMEM sizing
-sees TPU v6e hardware info, and tokamax's device check accepts the CPU. The
-kernel code path is the one a TPU runs; only the lowering differs.
+Nothing in the library imports this module.
 """
 
-import contextlib
-import os
-import threading
-from unittest import mock
-
 import jax
-from jax.experimental.pallas import tpu as pltpu
 import numpy as np
-
-_state = threading.local()
-
-
-def mosaic_interpret_active() -> bool:
-  """Whether the calling thread is inside `mosaic_interpret_mode()`."""
-  return getattr(_state, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def mosaic_interpret_mode(chip=pltpu.ChipVersion.TPU_V6E):
-  """Runs tokamax's Mosaic KDA kernel in Pallas interpret mode on any device.
-
-  Args:
-    chip: the TPU whose limits (VMEM, lanes, sublanes) the kernel's sizing
-      heuristics see; default TPU v6e, the first generation tokamax supports.
-
-  Yields:
-    None. Calls made inside may use `backend="mosaic"` on CPU. Each interpret
-    call takes seconds: keep shapes small.
-  """
-  # Imported here so that importing this module does not need tokamax's
-  # Pallas TPU modules unless the context is used.
-  from tokamax._src.ops.kda import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
-
-  info = pltpu.get_tpu_info_for_chip(chip, 1)
-  old = os.environ.get("PALLAS_INTERPRET")
-  os.environ["PALLAS_INTERPRET"] = "1"
-  _state.depth = getattr(_state, "depth", 0) + 1
-  try:
-    with mock.patch.object(pltpu, "get_tpu_info", return_value=info), \
-         mock.patch.object(
-             pallas_mosaic_tpu.PallasMosaicTpuKimiDeltaAttention,
-             "supported_on", return_value=True):
-      yield
-  finally:
-    _state.depth -= 1
-    if old is None:
-      os.environ.pop("PALLAS_INTERPRET", None)
-    else:
-      os.environ["PALLAS_INTERPRET"] = old
 
 
 def relative_l2_error(actual, expected) -> float:

@@ -28,13 +28,13 @@ so it is valid for the next piece.
 Context parallelism: with `context_axis`, inside `jax.shard_map` with T
 split over that mesh axis, each rank gets the W - 1 inputs before its slice
 (and their ids) from the preceding ranks, as many as needed
-(`linear_attention.parallel.conv_cp`).
+(`_short_conv1d_context_parallel` below).
 """
 
 import jax
 import jax.numpy as jnp
 
-from linear_attention.parallel import conv_cp
+from linear_attention.ops import context_axis as axes
 
 ACTIVATIONS = ("silu", None)
 
@@ -128,7 +128,7 @@ def short_conv1d(
       raise NotImplementedError(
           "short_conv1d with context_axis does not take a decode cache; the"
           " sequence start lives on rank 0. Pass cache=None.")
-    return conv_cp.short_conv1d_context_parallel(
+    return _short_conv1d_context_parallel(
         x, w, context_axis=context_axis, segment_ids=segment_ids,
         activation=activation, bias=bias)
   b, t, c = x.shape
@@ -165,3 +165,62 @@ def short_conv1d(
   if cache is None:
     return y
   return y, _last_run_tail(xe, ide, width)
+
+
+def _short_conv1d_context_parallel(
+    x, w, *, context_axis: str, segment_ids=None, activation="silu",
+    bias=None):
+  """`short_conv1d` on this rank's slice of T: a W - 1 token halo.
+
+  Called inside `jax.shard_map` with T split over the mesh axis `context_axis`
+  (contiguous slices, rank order = sequence order). A token needs the W - 1
+  inputs before it, which may live on earlier ranks (on several when W - 1 is
+  longer than a shard). Each rank contributes its last m = min(W - 1, T_local)
+  inputs and their segment ids to one `all_gather`; concatenated in rank order
+  these hold, for every rank, the W - 1 tokens before it (from rank r - 1 when
+  m = W - 1, else whole shards of as many preceding ranks as needed; zeros with
+  id 0, "no token", before the sequence start). The rank then runs the
+  single-device conv on [halo | x] with ids [halo ids | segment_ids] and keeps
+  the last T_local outputs: the segment rules (a token sees only earlier
+  tokens of its own run) are those of `ops.short_conv`, applied to the real
+  global ids. Gradients flow back through the gather to the ranks that own
+  the halo tokens.
+
+  Communication per rank: R * min(W - 1, T_local) * (C + 1) values received.
+
+  Args:
+    x: [B, T_local, C] this rank's inputs.
+    w: [W, C] taps (the same on every rank).
+    context_axis: the mesh axis T is split over.
+    segment_ids: [B, T_local] this rank's slice of the global ids.
+    activation, bias: as in `ops.short_conv1d`.
+
+  Returns:
+    y [B, T_local, C], the global result on this rank's slice.
+  """
+  num_ranks = axes.axis_size(context_axis)
+  b, t, c = x.shape
+  width = w.shape[0]
+  ids = (jnp.ones((b, t), jnp.int32) if segment_ids is None
+         else segment_ids.astype(jnp.int32))
+  if width == 1:  # no halo needed
+    return short_conv1d(x, w, segment_ids=segment_ids,
+                                   activation=activation, bias=bias)
+  halo = width - 1
+  m = min(halo, t)
+  tails = jax.lax.all_gather(x[:, t - m:], context_axis)  # [R, B, m, C]
+  tail_ids = jax.lax.all_gather(ids[:, t - m:], context_axis)  # [R, B, m]
+  stream = jnp.moveaxis(tails, 0, 1).reshape(b, num_ranks * m, c)
+  stream_ids = jnp.moveaxis(tail_ids, 0, 1).reshape(b, num_ranks * m)
+  # Zeros (id 0: no token) before the sequence start, then every rank's tail.
+  stream = jnp.pad(stream, ((0, 0), (halo, 0), (0, 0)))
+  stream_ids = jnp.pad(stream_ids, ((0, 0), (halo, 0)))
+  # The W - 1 tokens before this rank end at stream position R_before * m.
+  start = jax.lax.axis_index(context_axis) * m
+  prev = jax.lax.dynamic_slice_in_dim(stream, start, halo, axis=1)
+  prev_ids = jax.lax.dynamic_slice_in_dim(stream_ids, start, halo, axis=1)
+  y = short_conv1d(
+      jnp.concatenate([prev.astype(x.dtype), x], axis=1), w,
+      segment_ids=jnp.concatenate([prev_ids, ids], axis=1),
+      activation=activation, bias=bias)
+  return y[:, halo:]

@@ -8,6 +8,8 @@ context axis (`KimiDeltaAttention(context_axis=...)`, `ops.short_conv1d(...,
 context_axis=...)`); per-token layers need nothing. Take gradients of the
 returned function (outside the shard_map): they are the single-device ones.
 
+The sequence is split in contiguous slices, rank order = sequence order, the
+only layout that is exact for a recurrence (`linear_attention.ops.context_axis`).
 Targets must be aligned with their positions before sharding (e.g. next-token
 labels shifted on the full sequence), so no token crosses a rank for them.
 """
@@ -18,7 +20,6 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from linear_attention.parallel import kda_cp
 
 
 def shard_loss_fn(
@@ -27,7 +28,6 @@ def shard_loss_fn(
     data_axis: str | None = "data",
     context_axis: str | None = "context",
     *,
-    sequence_layout: str = "contiguous",
     has_aux: bool = False,
 ) -> Callable[[Any, Any], Any]:
   """Wraps a shard loss as the global mean loss over a data x context mesh.
@@ -41,7 +41,6 @@ def shard_loss_fn(
     mesh: the mesh; must have the named axes.
     data_axis: mesh axis the batch (dim 0) is split over, or None.
     context_axis: mesh axis the sequence (dim 1) is split over, or None.
-    sequence_layout: "contiguous" only (see `kda_cp.check_sequence_layout`).
     has_aux: whether `loss_fn` also returns `aux_sums`.
 
   Returns:
@@ -53,7 +52,6 @@ def shard_loss_fn(
   Raises:
     ValueError: an axis that is not a str naming an axis of `mesh`.
   """
-  kda_cp.check_sequence_layout(sequence_layout)
   for name, axis in (("data_axis", data_axis),
                      ("context_axis", context_axis)):
     if axis is not None and (not isinstance(axis, str)

@@ -13,7 +13,6 @@ import numpy as np
 
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.parallel import conv_cp
 from tests.ops.test_short_conv import conv_numpy
 from tests.parallel import common
 
@@ -86,16 +85,9 @@ class ContextParallelConvTest(parameterized.TestCase):
       testing.assert_close(grads[name], grads_ref[name], rtol=1e-5,
                            name=f"d{name}")
 
-  def test_reordered_layout_and_cache_rejected(self):
+  def test_cache_and_bad_axis_rejected(self):
     x = jnp.ones((1, 8, 2))
     w = jnp.ones((4, 2))
-    seq = P(None, AXIS)
-    zigzag = jax.shard_map(
-        lambda x: conv_cp.short_conv1d_context_parallel(
-            x, w, context_axis=AXIS, sequence_layout="zigzag"),
-        mesh=common.mesh(2), in_specs=seq, out_specs=seq)
-    with self.assertRaisesRegex(ValueError, "sequence_layout.*zig-zag"):
-      zigzag(x)
     with self.assertRaisesRegex(NotImplementedError, "cache"):
       ops.short_conv1d(x, w, cache=jnp.zeros((1, 3, 2)), context_axis=AXIS)
     with self.assertRaisesRegex(ValueError, "not a bound mesh axis"):

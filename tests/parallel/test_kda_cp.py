@@ -14,7 +14,7 @@ import numpy as np
 
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.parallel import kda_cp
+from linear_attention.ops.kda import mosaic
 from tests.kda_oracle import kda_numpy
 from tests.parallel import common
 
@@ -136,23 +136,6 @@ class ContextParallelKdaTest(parameterized.TestCase):
     testing.assert_close(o, o_np, rtol=1e-5, name="output")
     testing.assert_close(s, s_np, rtol=1e-5, name="final_state")
 
-  def test_reordered_layout_rejected(self):
-    args, kw = make_case("lower_bound", init=False)
-    a = args
-
-    def op(q, k, v, g, beta, seg):
-      return kda_cp.kda_context_parallel(
-          q, k, v, g, beta, context_axis=AXIS, backend="chunked",
-          scale=0.5, a_log=a["a_log"], dt_bias=a["dt_bias"],
-          segment_ids=seg, sequence_layout="zigzag",
-          **{n: kw[n] for n in ("use_gate_in_kernel", "lower_bound")})
-
-    spec = P(None, AXIS)
-    sharded = jax.shard_map(op, mesh=common.mesh(2), in_specs=(spec,) * 6,
-                            out_specs=(spec, P()))
-    with self.assertRaisesRegex(ValueError, "sequence_layout.*zig-zag"):
-      sharded(a["q"], a["k"], a["v"], a["g"], a["beta"], a["segment_ids"])
-
   def test_bad_context_axis(self):
     args, kw = make_case("preactivated", segments=False, init=False)
     call = lambda axis: ops.kimi_delta_attention(
@@ -199,7 +182,7 @@ class MosaicContextParallelTest(parameterized.TestCase):
       o = op(x["q"], x["k"], x["v"], x["g"], x["beta"], ids)
       return jnp.sum(o * do), o
 
-    with testing.mosaic_interpret_mode():
+    with mosaic.interpret_mode():
       grads, o = jax.grad(loss, has_aux=True)(x, "mosaic", AXIS)
     grads_ref, o_ref = jax.jit(jax.grad(loss, has_aux=True),
                                static_argnums=(1, 2))(x, "reference", None)

@@ -115,13 +115,10 @@ class TrainStepTest(parameterized.TestCase):
       testing.assert_close(grads[name], grads_ref[name], rtol=1e-5,
                            name=name)
 
-  def test_bad_axis_and_layout_rejected(self):
+  def test_bad_axis_rejected(self):
     mesh = common.mesh(4, ("data", "context"), shape=(2, 2))
     fn = model_fn("context").apply
     with self.assertRaisesRegex(ValueError, "context_axis must be None or"):
       train.shard_loss_fn(fn, mesh, "data", "seq")
     with self.assertRaisesRegex(ValueError, "data_axis must be None or"):
       train.shard_loss_fn(fn, mesh, 0, "context")
-    with self.assertRaisesRegex(ValueError, "sequence_layout"):
-      train.shard_loss_fn(fn, mesh, "data", "context",
-                          sequence_layout="zigzag")

@@ -7,30 +7,23 @@ S in R^{K x V}, alpha_t = exp(g_t) and beta_t in [0, 1]:
     o_t = S_t^T (scale * q_t)
 """
 
+import functools
 import math
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 
-from linear_attention.ops import backend_enum
+from linear_attention.ops import backends
+from linear_attention.ops import context_axis as axes
 from linear_attention.ops.kda import chunked
+from linear_attention.ops.kda import context_parallel
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import reference
-from linear_attention.parallel import kda_cp
 
 
-class Backend(backend_enum.BackendEnum):
-  """Every implementation of the op; all return the same `(o, state)`."""
-
-  REFERENCE = "reference"  # token-by-token lax.scan: the oracle
-  CHUNKED = "chunked"  # chunked WY/UT form in XLA: CPU/GPU default
-  MOSAIC = "mosaic"  # tokamax's Pallas TPU kernel
-
+Backend = backends.Backend
 
 LOWER_BOUND_MIN = -5.0
-
-_logged_backends: set[Backend] = set()
 
 
 def validate_lower_bound(lower_bound: float | None, name="lower_bound") -> None:
@@ -147,14 +140,16 @@ def kimi_delta_attention(
     output_final_state: also return the float32 final state (same shape).
     segment_ids: [B, T] int, 1-indexed packed documents, 0 = padding.
     max_num_segments: static N; required with segment_ids and states.
-    backend: "reference" | "chunked" | "mosaic" (or a `Backend`).
+    backend: "reference" | "chunked" | "mosaic" | "auto" (or a `Backend`);
+      resolved by `linear_attention.ops.backends.resolve` ("auto": mosaic
+      on TPU v6+, chunked elsewhere).
     context_axis: None, or the name of a mesh axis when called inside
       `jax.shard_map` with T split over it (contiguous slices in rank order;
       segment_ids is this rank's slice of the global ids; initial_state and
       the final state are global, the same on every rank). The result is the
       global one on this rank's slice, by exact state passing
-      (`linear_attention.parallel.kda_cp`); "mosaic" uses tokamax's CP path
-      and raises NotImplementedError for its limits.
+      (`linear_attention.ops.kda.context_parallel`); "mosaic" uses
+      tokamax's CP path and raises NotImplementedError for its limits.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state float32 or None).
@@ -163,9 +158,9 @@ def kimi_delta_attention(
     ValueError: bad input (the message names the argument).
     NotImplementedError: the backend cannot take this input.
   """
-  backend = Backend.parse(backend)
+  backend = backends.resolve(backend)
   if context_axis is not None:
-    kda_cp.context_axis_size(context_axis)  # ValueError: not a bound axis
+    axes.axis_size(context_axis)  # ValueError: not a bound axis
   _validate(q, k, v, g, beta, scale=scale, a_log=a_log, dt_bias=dt_bias,
             lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
             initial_state=initial_state,
@@ -173,19 +168,23 @@ def kimi_delta_attention(
             max_num_segments=max_num_segments)
   if scale is None:
     scale = q.shape[-1] ** -0.5
-  if backend not in _logged_backends:
-    _logged_backends.add(backend)
-    logging.info("Running kimi_delta_attention with backend %s.",
-                 backend.value)
   kwargs = dict(
       scale=scale, a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,
       use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm=use_qk_l2norm,
       initial_state=initial_state, output_final_state=output_final_state,
       segment_ids=segment_ids, max_num_segments=max_num_segments)
-  if context_axis is not None:
-    return kda_cp.kda_context_parallel(
-        q, k, v, g, beta, context_axis=context_axis, backend=backend,
-        **kwargs)
+  if context_axis is None:
+    return _run(backend, q, k, v, g, beta, **kwargs)
+  if backend is Backend.MOSAIC:
+    return mosaic.kda_mosaic_context_parallel(
+        q, k, v, g, beta, context_axis=context_axis, **kwargs)
+  return context_parallel.kda_context_parallel(
+      q, k, v, g, beta, context_axis=context_axis,
+      local_fn=functools.partial(_run, backend), **kwargs)
+
+
+def _run(backend: Backend, q, k, v, g, beta, **kwargs):
+  """The backend's single-device runner on validated arguments."""
   match backend:
     case Backend.REFERENCE:
       return reference.kda_reference(q, k, v, g, beta, **kwargs)

@@ -1,11 +1,12 @@
-"""Adapter to tokamax's Pallas/Mosaic TPU KDA kernel.
+"""Adapter to tokamax's Pallas/Mosaic TPU KDA kernel: the one file that
+touches tokamax internals (`tokamax._src`, checked against tokamax 0.0.17).
 
 tokamax 0.0.17 (`tokamax.ops.kimi_delta_attention(implementation="mosaic")`)
 is head-first: q, k, g [H, B, T, K], v [H, B, T, V], beta [H, B, T], states
 [B, N, H, K, V]. This file transposes our [B, T, H, *] layout in and out and
 turns the kernel's limits into `NotImplementedError`s that name them:
 
-* TPU v6 or newer, or CPU inside `linear_attention.testing.mosaic_interpret_mode()`;
+* TPU v6 or newer, or any device inside `interpret_mode()` (below);
 * float32 or bfloat16 inputs; K <= 256; chunk size 64;
 * without `segment_ids`, T must be a multiple of 64;
 * the fused gate needs `lower_bound` (tokamax's safe-gate form); the softplus
@@ -23,22 +24,73 @@ absent from a row has its initial state as final state, so that gradient is
 passed straight through. Both are selects, which drop the NaN cotangents.
 """
 
-import jax
-import jax.numpy as jnp
+import contextlib
+import os
+import threading
+from unittest import mock
 
-from linear_attention import testing
+import jax
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
 
 MAX_KEY_DIM = 256
 CHUNK = 64
 
+_state = threading.local()
+
+
+def interpret_active() -> bool:
+  """Whether the calling thread is inside `interpret_mode()`."""
+  return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def interpret_mode(chip=pltpu.ChipVersion.TPU_V6E):
+  """Runs tokamax's Mosaic KDA kernel in Pallas interpret mode on any device.
+
+  The runtime option for `backend="mosaic"` off TPU (tests on CPU, checking
+  a config before paying for a TPU): inside it, Pallas calls run in interpret
+  mode (tokamax reads `PALLAS_INTERPRET=1`), the kernel's VMEM sizing sees
+  the hardware info of `chip`, and tokamax's device check accepts the device.
+  The kernel code is the one a TPU runs; only the lowering differs. tokamax
+  0.0.17 offers no argument for either, so this context sets the variable
+  and patches those two lookups for its duration (and only then).
+
+  Args:
+    chip: the TPU whose limits (VMEM, lanes, sublanes) the kernel's sizing
+      heuristics see; default TPU v6e, the first generation tokamax supports.
+
+  Yields:
+    None. Calls made inside may use `backend="mosaic"` on CPU. Each interpret
+    call takes seconds: keep shapes small.
+  """
+  from tokamax._src.ops.kda import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
+
+  info = pltpu.get_tpu_info_for_chip(chip, 1)
+  old = os.environ.get("PALLAS_INTERPRET")
+  os.environ["PALLAS_INTERPRET"] = "1"
+  _state.depth = getattr(_state, "depth", 0) + 1
+  try:
+    with mock.patch.object(pltpu, "get_tpu_info", return_value=info), \
+         mock.patch.object(
+             pallas_mosaic_tpu.PallasMosaicTpuKimiDeltaAttention,
+             "supported_on", return_value=True):
+      yield
+  finally:
+    _state.depth -= 1
+    if old is None:
+      os.environ.pop("PALLAS_INTERPRET", None)
+    else:
+      os.environ["PALLAS_INTERPRET"] = old
+
 
 def _check_supported(q, v, *, use_gate_in_kernel, lower_bound, segment_ids):
   b, t, h, kd = q.shape
-  if jax.default_backend() != "tpu" and not testing.mosaic_interpret_active():
+  if jax.default_backend() != "tpu" and not interpret_active():
     raise NotImplementedError(
         "backend='mosaic' runs tokamax's Pallas kernel, which needs a TPU v6+;"
         f" the default device is {jax.default_backend()}. On CPU, call it"
-        " inside `linear_attention.testing.mosaic_interpret_mode()` (Pallas"
+        " inside `linear_attention.ops.kda.mosaic.interpret_mode()` (Pallas"
         " interpret mode), or use backend='chunked'.")
   if q.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != q.dtype:
     raise NotImplementedError(
@@ -58,29 +110,45 @@ def _check_supported(q, v, *, use_gate_in_kernel, lower_bound, segment_ids):
         " use_gate_in_kernel=False.")
 
 
+def _detach_padding(segment_ids, xs):
+  """Padding is a no-op: route no cotangent into tokamax's there."""
+  if segment_ids is None:
+    return xs
+  valid = (segment_ids > 0)[:, :, None]
+  return tuple(jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 3)), x,
+                         jax.lax.stop_gradient(x)) for x in xs)
+
+
+def _call_tokamax(q, k, v, g, beta, *, a_log, dt_bias, segment_ids,
+                  **kwargs):
+  """tokamax's kernel on our [B, T, H, *] layout: o [B, T, H, V] and state."""
+  # Imported lazily: tokamax's Pallas TPU modules are only needed here.
+  from tokamax._src.ops.kda import api as tokamax_kda  # pylint: disable=g-import-not-at-top
+
+  head_first = lambda x: jnp.moveaxis(x, 2, 0)  # [B,T,H,*] -> [H,B,T,*]
+  o, state = tokamax_kda.kimi_delta_attention(
+      head_first(q), head_first(k), head_first(v), head_first(g),
+      jnp.moveaxis(beta, 2, 0),
+      a_log=None if a_log is None else a_log.astype(jnp.float32),
+      delta_time_bias=None if dt_bias is None else dt_bias.astype(jnp.float32),
+      segment_ids=None if segment_ids is None else segment_ids.astype(
+          jnp.int32),
+      implementation="mosaic", **kwargs)
+  return jnp.moveaxis(o, 0, 2).astype(q.dtype), state
+
+
 def kda_mosaic(
     q, k, v, g, beta, *, scale, a_log=None, dt_bias=None, lower_bound=None,
     use_gate_in_kernel=False, use_qk_l2norm=False, initial_state=None,
     output_final_state=False, segment_ids=None, max_num_segments=None,
 ):
   """See `linear_attention.ops.kimi_delta_attention` for the arguments."""
-  # Imported lazily: tokamax's Pallas TPU modules are only needed here.
-  from tokamax._src.ops.kda import api as tokamax_kda  # pylint: disable=g-import-not-at-top
-
   _check_supported(q, v, use_gate_in_kernel=use_gate_in_kernel,
                    lower_bound=lower_bound, segment_ids=segment_ids)
-  head_first = lambda x: jnp.moveaxis(x, 2, 0)  # [B,T,H,*] -> [H,B,T,*]
   dtype = q.dtype
-  k, v, g = k.astype(dtype), v.astype(dtype), g.astype(dtype)
-  beta = beta.astype(dtype)
+  q, k, v, g, beta = _detach_padding(
+      segment_ids, tuple(x.astype(dtype) for x in (q, k, v, g, beta)))
   present = None
-  if segment_ids is not None:
-    # Padding is a no-op: route no cotangent into tokamax's there.
-    valid = (segment_ids > 0)[:, :, None]
-    detach_pad = lambda x: jnp.where(
-        valid.reshape(valid.shape + (1,) * (x.ndim - 3)), x,
-        jax.lax.stop_gradient(x))
-    q, k, v, g, beta = map(detach_pad, (q, k, v, g, beta))
   if initial_state is not None:
     initial_state = initial_state.astype(jnp.float32)
     if segment_ids is None:
@@ -92,23 +160,15 @@ def kda_mosaic(
       given_state = initial_state
       initial_state = jnp.where(present, initial_state,
                                 jax.lax.stop_gradient(initial_state))
-  o, final_state = tokamax_kda.kimi_delta_attention(
-      head_first(q), head_first(k), head_first(v), head_first(g),
-      jnp.moveaxis(beta, 2, 0),
-      a_log=None if a_log is None else a_log.astype(jnp.float32),
-      delta_time_bias=None if dt_bias is None else dt_bias.astype(jnp.float32),
+  o, final_state = _call_tokamax(
+      q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids,
       scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-      use_gate_in_kernel=use_gate_in_kernel,
-      segment_ids=None if segment_ids is None else segment_ids.astype(
-          jnp.int32),
-      lower_bound=lower_bound,
+      use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
       # tokamax sizes its segment tables by max_num_segments even without
       # states; T bounds the number of runs in a row.
       max_num_segments=(max_num_segments if max_num_segments is not None
-                        or segment_ids is None else q.shape[1]),
-      implementation="mosaic")
-  o = jnp.moveaxis(o, 0, 2).astype(dtype)
+                        or segment_ids is None else q.shape[1]))
   if not output_final_state:
     return o, None
   final_state = final_state.astype(jnp.float32)
@@ -117,3 +177,44 @@ def kda_mosaic(
   elif present is not None:
     final_state = jnp.where(present, final_state, given_state)
   return o, final_state
+
+
+def kda_mosaic_context_parallel(
+    q, k, v, g, beta, *, context_axis, scale, a_log, dt_bias, lower_bound,
+    use_gate_in_kernel, use_qk_l2norm, initial_state, output_final_state,
+    segment_ids, max_num_segments):
+  """tokamax's Mosaic kernel with its own context parallelism."""
+  from tokamax._src.ops.kda import cp_utils  # pylint: disable=g-import-not-at-top
+
+  kd, vd = q.shape[-1], v.shape[-1]
+  limits = []
+  if segment_ids is None:
+    limits.append("segment_ids (the rank-local slice of the global ids) is"
+                  " required")
+  if kd % 128 or vd % 128:
+    limits.append(f"K and V must be multiples of 128 (got K={kd}, V={vd})")
+  if initial_state is not None:
+    limits.append("initial_state is not supported")
+  if output_final_state:
+    limits.append("output_final_state=True is not supported")
+  if limits:
+    raise NotImplementedError(
+        "backend='mosaic' with context_axis runs tokamax's context-parallel"
+        " kernel, which has these limits: " + "; ".join(limits) + ". Use"
+        " backend='chunked' (exact state passing) instead.")
+  _check_supported(
+      q, v, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+      segment_ids=segment_ids)
+  if max_num_segments is None:
+    max_num_segments = q.shape[1]
+  metadata = cp_utils.ContextParallelMetadata(
+      jax.sharding.get_abstract_mesh(), context_axis)
+  dtype = q.dtype
+  q, k, v, g, beta = _detach_padding(
+      segment_ids, tuple(x.astype(dtype) for x in (q, k, v, g, beta)))
+  o, _ = _call_tokamax(
+      q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids,
+      scale=scale, use_qk_l2norm=use_qk_l2norm,
+      use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+      max_num_segments=max_num_segments, context_parallel_metadata=metadata)
+  return o, None

@@ -1,0 +1,25 @@
+"""The mesh axis an op's sequence is split over (context parallelism).
+
+An op called with `context_axis=name` inside `jax.shard_map` expects T split
+over that mesh axis in contiguous slices, rank order = sequence order. Only
+that layout is exact for a recurrence: a load-balanced ("zig-zag") layout,
+where rank r holds chunks r and 2R - 1 - r, breaks the left-to-right order
+the state is passed in, so the ops take no layout argument.
+"""
+
+import jax
+
+
+def axis_size(context_axis, name: str = "context_axis") -> int:
+  """The size of a bound mesh axis; ValueError if it is not a str or unbound."""
+  if not isinstance(context_axis, str):
+    raise ValueError(
+        f"{name} must be None or the str name of a mesh axis; got"
+        f" {context_axis!r}.")
+  try:
+    return jax.lax.axis_size(context_axis)
+  except NameError:
+    raise ValueError(
+        f"{name}={context_axis!r} is not a bound mesh axis: call this inside"
+        " `jax.shard_map` over a mesh that has that axis, with T split over"
+        " it.") from None

@@ -1,0 +1,222 @@
+"""Context parallelism for KDA: exact state passing over a mesh axis.
+
+Called inside `jax.shard_map` with T split over the mesh axis `context_axis`
+(each rank holds a contiguous slice; rank order = sequence order), every rank
+computes the global result on its own slice. Nothing of the sequence is
+gathered; only states cross ranks.
+
+Algorithm (backends "reference" and "chunked"; the per-rank engine is the
+backend's own runner, passed in by `ops.kimi_delta_attention` as `local_fn`,
+so the algorithm is exact and backend-agnostic). The delta rule
+S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T is
+affine in S_{t-1}; with v = 0 it is linear. Per rank r:
+
+1. One local call with values [v | 0_K] (V + K columns) and initial state
+   [0 | I_K] for the shard's first run gives, for the shard's last run, the
+   end state with zero incoming state F_r (first V columns) and its K x K
+   transition T_r (last K columns): end = T_r X + F_r. (T_r = 0 when the last
+   run starts inside the shard.)
+2. All-gather (T_r, F_r) and three ints per row (first and last valid
+   segment id of the shard, whether it has a valid token): O(H K (K + V)).
+3. Compose X_{r+1} = T_r X_r' + F_r over the ranks before this one, where
+   X_r' is the carried state if rank r's first run continues the carried
+   segment, else that segment's initial state; a shard with only padding
+   passes the carried state (and its segment id) through.
+4. A second local call, with X_r as the initial state of the shard's first
+   run when it continues the previous non-empty shard's last segment, gives
+   the exact outputs and the shard's final states.
+5. Final state of segment n comes from the last rank holding a token of n
+   (its initial state if no rank does); a psum of masked contributions gives
+   every rank the global final states.
+
+The shard's first run gets its own state slot (id N + 1) in both local calls,
+so a segment id that reappears later in the shard still starts from its own
+initial state. Gradients are exact by autodiff through `all_gather` and
+`psum`, taken outside the `shard_map` (tested at 2, 4 and 8 ranks).
+
+Works under `jax.shard_map`'s default `check_vma=True`: the backends start
+their scan carries varying like their inputs (`ops/kda/common.vary_like`),
+and the final states come out of psums, typed mesh-invariant, so
+`out_specs=P()` is accepted for them.
+
+Backend "mosaic" uses tokamax's own CP path instead (`ops/kda/mosaic.py`,
+`kda_mosaic_context_parallel`).
+
+Sequence layout: contiguous slices in rank order, the only one exact for a
+recurrence (see `linear_attention.ops.context_axis`).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from linear_attention.ops import context_axis as axes
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _runs(ids):
+  """Run structure of [B, T] ids (see `ops/kda/common.py`).
+
+  Returns (valid, run_index, first_id, last_id, last_pos): run_index counts
+  runs from 1 at valid tokens; first/last_id are the ids of the first and
+  last valid tokens (0 if none); last_pos the last valid position (or 0).
+  """
+  t = ids.shape[1]
+  valid = ids != 0
+  pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+  last_valid = jax.lax.cummax(jnp.where(valid, pos, -1), axis=1)
+  prev_pos = jnp.pad(last_valid[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  prev_id = jnp.where(
+      prev_pos >= 0,
+      jnp.take_along_axis(ids, jnp.maximum(prev_pos, 0), axis=1), 0)
+  starts = valid & (ids != prev_id)
+  run_index = jnp.cumsum(starts.astype(jnp.int32), axis=1)
+  first_pos = jnp.argmax(valid, axis=1)
+  first_id = jnp.take_along_axis(ids, first_pos[:, None], axis=1)[:, 0]
+  last_pos = jnp.maximum(last_valid[:, -1], 0)
+  last_id = jnp.take_along_axis(ids, last_pos[:, None], axis=1)[:, 0]
+  last_id = jnp.where(valid.any(axis=1), last_id, 0)
+  return valid, run_index, first_id, last_id, last_pos
+
+
+def _pick(states, slot):
+  """states [B, N, ...], slot [B] -> [B, ...] (slot clipped into range)."""
+  slot = jnp.clip(slot, 0, states.shape[1] - 1)
+  idx = slot.reshape((-1, 1) + (1,) * (states.ndim - 2))
+  return jnp.take_along_axis(states, idx, axis=1)[:, 0]
+
+
+def _bmask(mask, x):
+  """Broadcasts a [B] or [B, N] mask against x's leading axes."""
+  return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+
+
+def kda_context_parallel(
+    q, k, v, g, beta, *, context_axis: str, local_fn, scale, a_log=None,
+    dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
+    use_qk_l2norm=False, initial_state=None, output_final_state=False,
+    segment_ids=None, max_num_segments=None,
+):
+  """KDA on a sequence shard; see the module docstring.
+
+  Arguments are those of `ops.kimi_delta_attention` (already validated
+  there), on this rank's slice of T: q, k, g [B, T_local, H, K], v
+  [B, T_local, H, V], beta [B, T_local, H], segment_ids [B, T_local] (the
+  slice of the global ids). initial_state and the returned final state are
+  global ([B, H, K, V], or [B, N, H, K, V] with segment_ids), the same on
+  every rank. `local_fn(q, k, v, g, beta, **kwargs) -> (o, state)` is the
+  backend's single-device runner (the op's keyword arguments, validated).
+
+  Returns:
+    (o [B, T_local, H, V], final_state or None), like the op.
+  """
+  num_ranks = axes.axis_size(context_axis)
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  f32 = jnp.float32
+  has_segments = segment_ids is not None
+  ids = (segment_ids.astype(jnp.int32) if has_segments
+         else jnp.ones((b, t), jnp.int32))
+  valid, run_index, first_id, last_id, last_pos = _runs(ids)
+  has_valid = valid.any(axis=1)
+  first_run = valid & (run_index == 1)
+
+  # Local labels: the shard's first run gets its own slot (the last one).
+  if initial_state is None and not output_final_state:
+    # Only run boundaries matter (every state starts at zero): label runs
+    # 1, 2, 1, 2, ... so that no bound on the ids is needed.
+    n_user = 2
+    base = jnp.zeros((b, n_user, h, kd, vd), f32)
+    user_init = None
+    labels = jnp.where(valid, 1 + run_index % 2, 0)
+  else:
+    if initial_state is None:
+      n_user = max_num_segments if has_segments else 1
+      user_init = jnp.zeros((b, n_user, h, kd, vd), f32)
+    else:
+      user_init = initial_state.astype(f32)
+      if not has_segments:
+        user_init = user_init[:, None]
+      n_user = user_init.shape[1]
+    base = user_init
+    labels = ids
+  n_slots = n_user + 1
+  labels = jnp.where(first_run, n_slots, labels).astype(jnp.int32)
+  last_label = jnp.take_along_axis(labels, last_pos[:, None], axis=1)[:, 0]
+
+  def init_of(seg_id):  # the user's initial state of segment seg_id, [B,H,K,V]
+    if user_init is None:
+      return jnp.zeros((b, h, kd, vd), f32)
+    return _pick(user_init, seg_id - 1)
+
+  local = dict(scale=scale, a_log=a_log, dt_bias=dt_bias,
+               lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+               use_qk_l2norm=use_qk_l2norm, segment_ids=labels,
+               max_num_segments=n_slots)
+
+  # 1. End state of the shard's last run, affine in the incoming state.
+  eye = jnp.broadcast_to(jnp.eye(kd, dtype=f32), (b, 1, h, kd, kd))
+  init1 = jnp.concatenate([
+      jnp.concatenate([base, jnp.zeros((b, n_user, h, kd, kd), f32)], -1),
+      jnp.concatenate([jnp.zeros((b, 1, h, kd, vd), f32), eye], -1),
+  ], axis=1)
+  v_aug = jnp.concatenate([v, jnp.zeros((b, t, h, kd), v.dtype)], axis=-1)
+  _, end1 = local_fn(
+      q, k, v_aug, g, beta, initial_state=init1, output_final_state=True,
+      **local)
+  end = _pick(end1, last_label - 1)  # [B, H, K, V + K]
+  offset, trans = end[..., :vd], end[..., vd:]
+
+  # 2. Gather the affine maps and the shards' segment ends.
+  trans_all = jax.lax.all_gather(trans, context_axis)  # [R, B, H, K, K]
+  offset_all = jax.lax.all_gather(offset, context_axis)  # [R, B, H, K, V]
+  meta = jnp.stack([first_id, last_id, has_valid.astype(jnp.int32)], axis=-1)
+  meta_all = jax.lax.all_gather(meta, context_axis)  # [R, B, 3]
+
+  # 3. Compose over the ranks before this one.
+  rank = jax.lax.axis_index(context_axis)
+  carry = jnp.zeros((b, h, kd, vd), f32)
+  carry_id = jnp.zeros((b,), jnp.int32)
+  x_in, id_in = carry, carry_id
+  for j in range(num_ranks - 1):
+    first_j, last_j, has_j = (meta_all[j, :, i] for i in range(3))
+    has_j = has_j.astype(bool)
+    cont = has_j & (first_j == carry_id) & (carry_id != 0)
+    start = jnp.where(_bmask(cont, carry), carry, init_of(first_j))
+    new = jnp.einsum("bhkj,bhjv->bhkv", trans_all[j], start,
+                     precision=_HIGHEST) + offset_all[j]
+    carry = jnp.where(_bmask(has_j, carry), new, carry)
+    carry_id = jnp.where(has_j, last_j, carry_id)
+    after_j = rank == j + 1
+    x_in = jnp.where(after_j, carry, x_in)
+    id_in = jnp.where(after_j, carry_id, id_in)
+
+  # 4. Exact local pass with the incoming state on the first run.
+  cont = has_valid & (first_id == id_in) & (id_in != 0)
+  first_state = jnp.where(_bmask(cont, x_in), x_in, init_of(first_id))
+  init2 = jnp.concatenate([base, first_state[:, None]], axis=1)
+  o, end2 = local_fn(
+      q, k, v, g, beta, initial_state=init2,
+      output_final_state=output_final_state, **local)
+  if not output_final_state:
+    return o, None
+
+  # 5. Final state of segment n from the last rank that holds a token of n.
+  seg = jnp.arange(1, n_user + 1, dtype=jnp.int32)[None, :, None]
+  present = jnp.any(ids[:, None, :] == seg, axis=-1)  # [B, N]
+  later_run = jnp.any(labels[:, None, :] == seg, axis=-1)  # outside run 1
+  use_first = (seg[..., 0] == first_id[:, None]) & ~later_run
+  mine = jnp.where(_bmask(use_first, base), end2[:, n_user:],
+                   end2[:, :n_user])
+  present_all = jax.lax.all_gather(present, context_axis)  # [R, B, N]
+  after = (jnp.arange(num_ranks) > rank)[:, None, None]
+  owner = present & ~jnp.any(present_all & after, axis=0)
+  final = jax.lax.psum(jnp.where(_bmask(owner, mine), mine, 0.0),
+                       context_axis)
+  # A psum (not the all-gathered `present_all`) so that `final` is typed
+  # mesh-invariant, as out_specs=P() asks under check_vma=True.
+  anywhere = jax.lax.psum(present.astype(jnp.int32), context_axis) > 0
+  final = final + jnp.where(_bmask(anywhere, base), 0.0, user_init)
+  if not has_segments:
+    final = final[:, 0]
+  return o, final
