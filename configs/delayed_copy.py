@@ -20,7 +20,7 @@ bound -1 instead of -5; reported whatever it reaches),
 
 import ml_collections
 
-from experiments import config_lib
+from configs import common as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

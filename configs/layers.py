@@ -2,9 +2,9 @@
 
 `kda_config()` holds exactly the constructor's keywords (minus `name`), so a
 model builds the layer as `KimiDeltaAttention(**config.model.kda)`, and a
-misspelt override fails because the dict is locked. `validate_kda(config)`
-runs the constructor's own checks (`validate_kda_layer_args`), so a bad value
-fails when the config is read, with the same ValueError as the constructor.
+misspelt override fails because the dict is locked. Values are checked where
+the model is built (`experiments.model.validate_model_config` runs the
+constructor's own checks, `validate_kda_layer_args`), before anything runs.
 
 The default gate is the lower-bound ("safe") gate at -5, so every step
 decays by at least exp(-5) (arXiv 2510.26692 gate; -5 is the recommended
@@ -16,8 +16,6 @@ Example: `python -c "from configs import layers; print(layers.get_config())"`.
 
 import ml_collections
 from ml_collections import config_dict
-
-from linear_attention.modules.kda import validate_kda_layer_args
 
 
 def kda_config() -> ml_collections.ConfigDict:
@@ -32,17 +30,11 @@ def kda_config() -> ml_collections.ConfigDict:
       backend="chunked",
       decay="channel",
       use_output_gate=True,
-      use_qkv_lora=False,
       # A mesh axis name when called inside shard_map with T split over it.
       context_axis=config_dict.placeholder(str),
   ))
   config.lock()
   return config
-
-
-def validate_kda(config: ml_collections.ConfigDict) -> None:
-  """Raises the constructor's ValueError (naming the field) for a bad value."""
-  validate_kda_layer_args(**config)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -40,7 +40,7 @@ runs in seconds, for tests).
 
 import ml_collections
 
-from experiments import config_lib
+from configs import common as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

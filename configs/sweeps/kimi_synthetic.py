@@ -52,7 +52,7 @@ steps.
 
 import ml_collections
 
-from experiments import config_lib
+from configs import common as config_lib
 
 TOKENS_PER_STEP = 8192
 LENGTHS = (256, 512, 1024)

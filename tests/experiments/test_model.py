@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import mqar
-from experiments import config_lib
+from configs import common as config_lib
 from experiments import model as model_lib
 
 T, V = 16, 32
@@ -63,3 +63,7 @@ def test_bad_model_config_names_the_field():
         config, {"model.kda.decay": "token"}).model, V)
   with pytest.raises(ValueError, match="model.kda.decayy"):
     config_lib.apply_diff(config, {"model.kda.decayy": "head"})
+
+
+def test_config_mixer_names_are_the_models():
+  assert config_lib.MIXERS == model_lib.MIXERS

@@ -1,0 +1,106 @@
+"""Pieces shared by the experiment config files (configs/mqar.py, ...).
+
+Plain data: this package imports ml_collections only (no JAX), so loading a
+config is cheap and a config can be read without the code it configures.
+
+Every experiment config has the same sections:
+
+* `seed`: parameters from `jax.random.key(seed)`; data from (seed, step);
+* `task`: `name` plus the task's fields (see `experiments.tasks`);
+* `model`: `mixer`, `num_layers`, `d_model`, `mlp_hidden`, `kda` (the
+  `KimiDeltaAttention` keywords, `configs.layers.kda_config()`) and
+  `attention` (the softmax baseline's keywords);
+* `train`: optimiser, schedule, batch, logging, evaluation, checkpoints;
+* `mesh`: `data` x `context` devices; the batch is split over `data` and the
+  sequence over `context` (KDA's exact state passing); 1 x 1 is one device.
+
+`CONFIG_DIFFS` names the ablations: each is a one-line diff applied to a
+config with `apply_diff` (alphafold's CONFIG_DIFFS pattern).
+"""
+
+import copy
+from typing import Any, Mapping
+
+import ml_collections
+from ml_collections import config_dict
+
+# The mixers `experiments.model` builds (a test keeps the two lists equal).
+MIXERS = ("kda", "kda_zeroed", "gdn", "attention", "none")
+
+# One named diff per mixer: the ablation axis.
+CONFIG_DIFFS: dict[str, dict[str, Any]] = {
+    mixer: {"model.mixer": mixer} for mixer in MIXERS
+}
+
+
+def kda_config() -> ml_collections.ConfigDict:
+  """The KDA layer's keywords, from `configs.layers`."""
+  from configs import layers  # pylint: disable=g-import-not-at-top
+  return layers.kda_config()
+
+
+def model_config(*, mixer="kda", num_layers=2, d_model=128, mlp_hidden=256,
+                 num_heads=2, head_dim=64, conv_size=4):
+  """config.model; the attention baseline mirrors the KDA heads and conv."""
+  kda = kda_config()
+  kda.num_heads = num_heads
+  kda.head_dim = head_dim
+  kda.conv_size = conv_size
+  return ml_collections.ConfigDict(dict(
+      mixer=mixer,  # one of MIXERS
+      num_layers=num_layers,
+      d_model=d_model,
+      mlp_hidden=mlp_hidden,
+      kda=kda,
+      attention=dict(num_heads=num_heads, head_dim=head_dim,
+                     conv_size=conv_size, rope_base=10_000.0),
+  ))
+
+
+def mesh_config(data: int = 1, context: int = 1) -> ml_collections.ConfigDict:
+  """config.mesh: devices along the batch (`data`) and the sequence."""
+  return ml_collections.ConfigDict(dict(data=data, context=context))
+
+
+def train_config(**overrides):
+  """config.train with defaults; `overrides` must name existing fields."""
+  tr = ml_collections.ConfigDict(dict(
+      num_steps=500,
+      batch_size=64,
+      learning_rate=3e-3,  # peak of the warm-up + cosine schedule
+      warmup_steps=50,
+      final_lr_fraction=0.1,  # the cosine ends at learning_rate * this
+      weight_decay=0.1,  # AdamW, on matrices only
+      b1=0.9,
+      b2=0.98,
+      grad_clip=1.0,  # global-norm clipping
+      log_every=10,
+      eval_every=25,
+      eval_batches=4,  # held-out set: eval_batches x eval_batch_size examples
+      eval_batch_size=64,
+      checkpoint_every=100,
+      # Stop once the held-out accuracy reaches this (None: run every step).
+      stop_at_accuracy=config_dict.placeholder(float),
+  ))
+  for key, value in overrides.items():
+    if key not in tr:
+      raise ValueError(f"train.{key} is not a field of config.train.")
+    tr[key] = value
+  return tr
+
+
+def apply_diff(config: ml_collections.ConfigDict,
+               diff: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A copy of `config` with dotted fields set; unknown fields raise."""
+  config = copy.deepcopy(config)  # keeps the lock and typed references
+  for path, value in diff.items():
+    *parents, leaf = path.split(".")
+    node = config
+    for p in parents:
+      if p not in node:
+        raise ValueError(f"config has no field {path!r}.")
+      node = node[p]
+    if leaf not in node:
+      raise ValueError(f"config has no field {path!r}.")
+    node[leaf] = value
+  return config
