@@ -36,7 +36,6 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from absl import logging
 import chex
 import haiku as hk
 import jax
@@ -44,11 +43,11 @@ import jax.numpy as jnp
 
 from linear_attention.modules import norms
 from linear_attention.modules import short_conv
+from linear_attention.ops import backends
 from linear_attention.ops.kda import api as kda_api
 
 DECAYS = ("channel", "head")
 WEIGHT_STDDEV = 0.02
-_logged_fallback = []
 
 
 def validate_kda_layer_args(
@@ -61,7 +60,6 @@ def validate_kda_layer_args(
     backend: str = "chunked",
     decay: str = "channel",
     use_output_gate: bool = True,
-    use_qkv_lora: bool = False,
     context_axis: str | None = None,
 ) -> None:
   """Raises ValueError, naming the argument, unless the layer can be built."""
@@ -91,10 +89,6 @@ def validate_kda_layer_args(
   if not isinstance(use_output_gate, bool):
     raise ValueError(
         f"use_output_gate must be a bool; got {use_output_gate!r}.")
-  if use_qkv_lora is not False:
-    raise ValueError(
-        "use_qkv_lora=True (low-rank q/k/v projections) is not implemented by"
-        f" KimiDeltaAttention; it must be False, got {use_qkv_lora!r}.")
 
 
 class KDACache(NamedTuple):
@@ -156,7 +150,6 @@ class KimiDeltaAttention(hk.Module):
   context_axis: str | None = None
   decay: str = "channel"  # "channel" (KDA) or "head" (Gated DeltaNet).
   use_output_gate: bool = True  # sigmoid low-rank gate on the output.
-  use_qkv_lora: bool = False  # not implemented; True raises ValueError.
   name: str | None = None  # Haiku module name.
 
   def __post_init__(self):
@@ -164,7 +157,7 @@ class KimiDeltaAttention(hk.Module):
         num_heads=self.num_heads, head_dim=self.head_dim,
         expand_v=self.expand_v, conv_size=self.conv_size,
         lower_bound=self.lower_bound, backend=self.backend, decay=self.decay,
-        use_output_gate=self.use_output_gate, use_qkv_lora=self.use_qkv_lora,
+        use_output_gate=self.use_output_gate,
         context_axis=self.context_axis)
     super().__post_init__()  # hk.Module.__init__(name=self.name)
 
@@ -202,16 +195,6 @@ class KimiDeltaAttention(hk.Module):
         raise ValueError(
             f"cache.{field} must have shape {tuple(ref.shape)} for this layer"
             f" and batch {batch}; got {tuple(have.shape)}.")
-
-  def _core_backend(self, t, cached):
-    backend = kda_api.Backend.parse(self.backend)
-    if cached and backend == kda_api.Backend.MOSAIC and t % 64:
-      if not _logged_fallback:
-        _logged_fallback.append(True)
-        logging.info("KimiDeltaAttention: decode piece of T=%d is not a"
-                     " multiple of 64; running it on backend 'chunked'.", t)
-      return kda_api.Backend.CHUNKED
-    return backend
 
   def __call__(
       self, x: jax.Array, segment_ids: jax.Array | None = None, *,
@@ -272,7 +255,8 @@ class KimiDeltaAttention(hk.Module):
       dt_bias = jnp.repeat(dt_bias, kd)  # [H] -> [H*K]
     beta = jax.nn.sigmoid(self._linear(h, "b_proj")(x).astype(f32))
 
-    backend = self._core_backend(t, cached)
+    backend = backends.resolve(self.backend,
+                               decode_len=t if cached else None)
     initial_state = None
     if cached:
       initial_state = cache.state

@@ -20,12 +20,16 @@ import numpy as np
 import pytest
 import tokamax
 
+from configs import common as config_common
 from configs import layers as layer_configs
+from experiments import model as model_lib
 from linear_attention import ops
 from linear_attention import testing
+from linear_attention.ops.kda import mosaic
 from linear_attention.modules import KDACache
 from linear_attention.modules import KimiDeltaAttention
 from linear_attention.modules import kda as kda_module
+from linear_attention.modules.kda import validate_kda_layer_args
 from linear_attention.ops.kda import api as kda_api
 
 H, K, D = 2, 16, 32
@@ -215,7 +219,7 @@ class KimiDeltaAttentionTest(chex.TestCase):
     params = _params(f_ref, x)
     y_r, g_r = _loss_and_grads(jax.jit(f_ref.apply), params, x)
     f_mos = _transform(backend="mosaic")
-    with testing.mosaic_interpret_mode():
+    with mosaic.interpret_mode():
       y_m, g_m = _loss_and_grads(jax.jit(f_mos.apply), params, x)
     testing.assert_close(y_m, y_r, rtol=1e-4, name="y")
     testing.assert_close(g_m[1], g_r[1], rtol=1e-4, name="dx")
@@ -350,9 +354,9 @@ class KimiDeltaAttentionTest(chex.TestCase):
     with pytest.raises(AttributeError):
       config.num_head = 4  # misspelt
     config.lower_bound = None  # the softplus gate is representable
-    layer_configs.validate_kda(config)
+    validate_kda_layer_args(**config)
     config.lower_bound = -1.0
-    layer_configs.validate_kda(config)
+    validate_kda_layer_args(**config)
 
   @parameterized.parameters(
       ("num_heads", 0), ("head_dim", 0), ("head_dim", -4),
@@ -360,17 +364,18 @@ class KimiDeltaAttentionTest(chex.TestCase):
       ("expand_v", float("nan")), ("conv_size", -1),
       ("lower_bound", -6.0), ("lower_bound", 0.0), ("lower_bound", 1.0),
       ("lower_bound", float("nan")), ("lower_bound", float("-inf")),
-      ("backend", "tpu"), ("decay", "token"), ("use_qkv_lora", True),
+      ("backend", "tpu"), ("decay", "token"),
   )
   def test_bad_argument_raises_value_error_naming_it(self, name, value):
     kw = dict(layer_configs.kda_config())
     kw[name] = value
     with pytest.raises(ValueError, match=f"^{name}") as from_layer:
       hk.transform(lambda: KimiDeltaAttention(**kw)).init(None)
-    config = layer_configs.kda_config()
-    config[name] = value
+    # The experiment config fails the same way when the model is built.
+    model = config_common.model_config()
+    model.kda[name] = value
     with pytest.raises(ValueError) as from_config:
-      layer_configs.validate_kda(config)
+      model_lib.validate_model_config(model, vocab_size=16)
     assert str(from_config.value) == str(from_layer.value)
 
   def test_cache_of_the_wrong_shape_raises(self):

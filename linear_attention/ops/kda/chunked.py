@@ -64,25 +64,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linear_attention.ops import backends
 from linear_attention.ops.kda import common
 
 SUB = 16  # block size when the decays are unbounded (or bounded below -5)
 # exp(-x) is finite in float32 for x <= 88; 16 tokens at -5 give 80.
 _FACTOR_LIMIT = 80.0
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def chunk_size() -> int:
-  """Tokens per chunk on the default platform: 16 on CPU, 64 elsewhere.
-
-  On CPU a 16-token chunk is one block (no off-diagonal score products, a
-  16 x 16 solve) and the smaller score and solve matmuls outweigh the longer
-  chain of state updates: at (1, 4096, 4, 64), lower_bound=-5, forward and
-  forward+backward take ~15% less time than with 64 (A/B in one process;
-  equal at -1, where 64 is one block). Accelerators keep 64: fewer,
-  larger sequential steps.
-  """
-  return SUB if jax.default_backend() == "cpu" else 64
 
 
 def block_size(lower_bound, use_gate_in_kernel,
@@ -564,7 +552,7 @@ def kda_chunked(
       common.prepare, scale=scale, a_log=a_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
       use_qk_l2norm=use_qk_l2norm, max_num_segments=max_num_segments)
-  chunk = chunk_size()
+  chunk = backends.chunk_size()
   block = block_size(lower_bound, use_gate_in_kernel, chunk)
   has_segments = segment_ids is not None
   if has_segments:

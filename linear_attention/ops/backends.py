@@ -1,0 +1,106 @@
+"""The one backend policy: which KDA implementation runs, and how.
+
+Every caller (the op, its context-parallel path, the layer's decode, the
+experiments, the benchmarks) asks `resolve`, so a choice or a fallback is
+made in one place and logged once (recurrentgemma resolves its `ScanType`
+the same way). The platform rules live here too: the chunked form's chunk
+size per platform.
+
+* `Backend.AUTO` is `MOSAIC` on a TPU v6 or newer (the generations tokamax's
+  Pallas kernel supports), `CHUNKED` everywhere else;
+* `MOSAIC` for a decode piece whose T is not a multiple of 64 (the kernel's
+  chunk) runs on `CHUNKED`: a logged fallback, the same numbers;
+* nothing else is switched: `MOSAIC` asked for off TPU raises (see
+  `ops/kda/mosaic.py` for running it in interpret mode).
+"""
+
+import re
+
+from absl import logging
+import jax
+
+from linear_attention.ops import backend_enum
+
+MOSAIC_MIN_TPU_GENERATION = 6
+MOSAIC_CHUNK = 64
+CPU_CHUNK = 16
+
+
+class Backend(backend_enum.BackendEnum):
+  """Every implementation of the KDA op; all return the same `(o, state)`."""
+
+  REFERENCE = "reference"  # token-by-token lax.scan: the oracle
+  CHUNKED = "chunked"  # chunked WY/UT form in XLA: CPU/GPU default
+  MOSAIC = "mosaic"  # tokamax's Pallas TPU kernel
+  AUTO = "auto"  # MOSAIC on TPU v6+, CHUNKED elsewhere
+
+
+_logged: set[tuple] = set()
+
+
+def _log_once(key: tuple, msg: str, *args) -> None:
+  if key not in _logged:
+    _logged.add(key)
+    logging.info(msg, *args)
+
+
+def tpu_generation(device_kind: str) -> int | None:
+  """The TPU generation in a device kind ("TPU v6 lite" -> 6), else None."""
+  match = re.match(r"TPU v(\d+)", device_kind)
+  return int(match.group(1)) if match else None
+
+
+def _default_device_kind() -> str:
+  return jax.devices()[0].device_kind
+
+
+def resolve(backend: "str | Backend", *, decode_len: int | None = None,
+            device_kind: str | None = None) -> Backend:
+  """The backend that runs, for a requested one.
+
+  Args:
+    backend: "reference" | "chunked" | "mosaic" | "auto", or a `Backend`.
+    decode_len: T of a decode piece (the layer with a cache), or None.
+    device_kind: the device to decide for (default: the first device's
+      `device_kind`, e.g. "TPU v6 lite", "cpu").
+
+  Returns:
+    A concrete `Backend` (never AUTO).
+
+  Raises:
+    ValueError: `backend` is not one of the names.
+  """
+  backend = Backend.parse(backend)
+  if backend is Backend.AUTO:
+    kind = _default_device_kind() if device_kind is None else device_kind
+    generation = tpu_generation(kind)
+    backend = (Backend.MOSAIC if generation is not None
+               and generation >= MOSAIC_MIN_TPU_GENERATION
+               else Backend.CHUNKED)
+    _log_once(("auto", kind), "KDA backend 'auto' on %s: %s.", kind,
+              backend.value)
+  if (backend is Backend.MOSAIC and decode_len is not None
+      and decode_len % MOSAIC_CHUNK):
+    _log_once(("decode", decode_len),
+              "KDA decode piece of T=%d is not a multiple of %d: running it"
+              " on backend 'chunked' instead of 'mosaic'.", decode_len,
+              MOSAIC_CHUNK)
+    backend = Backend.CHUNKED
+  _log_once(("run", backend), "KDA backend: %s.", backend.value)
+  return backend
+
+
+def chunk_size(platform: str | None = None) -> int:
+  """Tokens per chunk of the `chunked` backend: 16 on CPU, 64 elsewhere.
+
+  On CPU a 16-token chunk is one block (no off-diagonal score products, a
+  16 x 16 solve) and the smaller score and solve matmuls outweigh the longer
+  chain of state updates (measured in docs/performance.md: ~15% less time
+  than 64 at (1, 4096, 4, 64), lower_bound=-5; equal at -1). Accelerators
+  keep 64: fewer, larger sequential steps.
+
+  Args:
+    platform: "cpu", "gpu", "tpu", ...; default `jax.default_backend()`.
+  """
+  platform = jax.default_backend() if platform is None else platform
+  return CPU_CHUNK if platform == "cpu" else MOSAIC_CHUNK

@@ -1,0 +1,56 @@
+"""The one backend policy: `auto`, the decode fallback, chunk sizes, errors."""
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from linear_attention import ops
+from linear_attention.ops import backends
+from linear_attention.ops.backends import Backend
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("TPU v6 lite", Backend.MOSAIC), ("TPU v7", Backend.MOSAIC),
+    ("TPU v5p", Backend.CHUNKED), ("TPU v4", Backend.CHUNKED),
+    ("cpu", Backend.CHUNKED), ("NVIDIA H100 80GB HBM3", Backend.CHUNKED)])
+def test_auto_is_mosaic_on_tpu_v6_and_newer_only(kind, expected):
+  assert backends.resolve("auto", device_kind=kind) is expected
+
+
+def test_explicit_choices_are_kept_and_decode_falls_back_logged(
+    monkeypatch):
+  for name in ("reference", "chunked", "mosaic"):
+    assert backends.resolve(name, device_kind="cpu") is Backend(name)
+  messages = []
+  monkeypatch.setattr(logging, "info",
+                      lambda msg, *args: messages.append(msg % args))
+  assert backends.resolve("mosaic", decode_len=128) is Backend.MOSAIC
+  assert backends.resolve("mosaic", decode_len=1) is Backend.CHUNKED
+  assert backends.resolve("mosaic", decode_len=1) is Backend.CHUNKED
+  assert backends.resolve("chunked", decode_len=1) is Backend.CHUNKED
+  fallbacks = [m for m in messages if "T=1 " in m]
+  assert len(fallbacks) == 1 and "'chunked'" in fallbacks[0]  # logged once
+
+
+def test_bad_names_and_platform_rules():
+  with pytest.raises(ValueError, match="backend must be one of"):
+    backends.resolve("tpu")
+  assert backends.tpu_generation("TPU v6 lite") == 6
+  assert backends.tpu_generation("cpu") is None
+  assert backends.chunk_size("cpu") == 16
+  assert backends.chunk_size("gpu") == backends.chunk_size("tpu") == 64
+  assert backends.chunk_size() == backends.chunk_size(jax.default_backend())
+
+
+def test_the_op_runs_auto_as_the_resolved_backend():
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k = (jax.random.normal(key, (1, 20, 2, 8)) for key in ks[:2])
+  v = jax.random.normal(ks[2], (1, 20, 2, 8))
+  g = -jax.nn.softplus(jax.random.normal(ks[3], (1, 20, 2, 8)))
+  beta = jnp.full((1, 20, 2), 0.5)
+  resolved = backends.resolve("auto").value
+  o_auto, _ = ops.kimi_delta_attention(q, k, v, g, beta, backend="auto")
+  o, _ = ops.kimi_delta_attention(q, k, v, g, beta, backend=resolved)
+  np.testing.assert_array_equal(o_auto, o)
