@@ -208,7 +208,7 @@ def bench_train_step(repeats, config_name="mqar"):
   """
   # Imported here: the op benchmark does not need the experiment stack.
   from configs import delayed_copy, mqar  # pylint: disable=g-import-not-at-top
-  from experiments import config_lib  # pylint: disable=g-import-not-at-top
+  from configs import common as config_lib  # pylint: disable=g-import-not-at-top
   from experiments import tasks  # pylint: disable=g-import-not-at-top
   from experiments import train  # pylint: disable=g-import-not-at-top
 

@@ -4,7 +4,7 @@ r"""Runs one task for every mixer (and seeds, learning rates); writes a table.
       --mixers=kda,kda_zeroed --seeds=0 --workdir=workdirs/mqar_ablation
 
 Each run is the base config plus one named diff from
-`experiments.config_lib.CONFIG_DIFFS` (`{"model.mixer": name}`), with
+`configs.common.CONFIG_DIFFS` (`{"model.mixer": name}`), with
 `seed` and `train.learning_rate` set when --seeds / --learning_rates are
 given. Runs go to `<workdir>/<mixer>_seed<s>_lr<lr>/` (each resumable, as
 with run_experiment.py). The workdir gets `results.md` (one row per run:
@@ -22,7 +22,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from experiments import config_lib
+from configs import common as config_lib
 from experiments import plotting
 from experiments import train
 

@@ -174,8 +174,7 @@ def validate_model_config(model, vocab_size: int) -> None:
     raise ValueError(f"model.attention.head_dim must be even (RoPE); got"
                      f" {att.head_dim}.")
   if model.mixer in ("kda", "kda_zeroed", "gdn"):
-    from configs import layers  # pylint: disable=g-import-not-at-top
-    layers.validate_kda(model.kda)
+    kda_module.validate_kda_layer_args(**model.kda)
   del vocab_size
 
 

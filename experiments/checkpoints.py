@@ -1,0 +1,38 @@
+"""Orbax checkpoints of (params, optimizer state), and quieter orbax logs."""
+
+import logging as logging_std
+import os
+
+from absl import logging
+import orbax.checkpoint as ocp
+
+
+class _DropOrbaxInfo(logging_std.Filter):
+  """Hides orbax's per-checkpoint INFO chatter; keeps its warnings."""
+
+  def filter(self, record):
+    return record.levelno > logging_std.INFO or "orbax" not in record.pathname
+
+
+def quiet_orbax_logs() -> None:
+  """For CLIs: keep the progress log readable (call once, in main)."""
+  logging.get_absl_handler().addFilter(_DropOrbaxInfo())
+
+
+def manager(workdir: str) -> ocp.CheckpointManager:
+  """The run's checkpoint manager (the last two checkpoints are kept)."""
+  return ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def save(ckpt: ocp.CheckpointManager, step: int, params, opt_state) -> None:
+  ckpt.save(step, args=ocp.args.StandardSave(
+      dict(params=params, opt_state=opt_state)))
+
+
+def restore(ckpt: ocp.CheckpointManager, step: int, params, opt_state):
+  """(params, opt_state) of `step`, shaped like the given ones."""
+  restored = ckpt.restore(step, args=ocp.args.StandardRestore(
+      dict(params=params, opt_state=opt_state)))
+  return restored["params"], restored["opt_state"]

@@ -1,0 +1,233 @@
+"""What a config compiles to: validated config, mesh, model, optimiser, steps.
+
+`build_program(config)` checks the config, builds the task, the Haiku model,
+AdamW with its schedule, and the jitted train and eval steps (data x context
+mesh when `config.mesh` asks for one), and caches the result per config so a
+resumed run or a test rerun does not recompile.
+"""
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import math
+from typing import Any
+
+from absl import logging
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from experiments import model as model_lib
+from experiments import tasks as tasks_lib
+from linear_attention.ops import backends
+from linear_attention.ops.kda import mosaic
+from linear_attention.parallel import train as parallel_train
+
+KDA_MIXERS = ("kda", "kda_zeroed", "gdn")
+
+
+def _check(name: str, ok: bool, want: str, value: Any) -> None:
+  if not ok:
+    raise ValueError(f"{name} must be {want}; got {value!r}.")
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first bad field of `config`."""
+  for section in ("task", "model", "train"):
+    _check(section, section in config, "a section of the config", None)
+  _check("seed", _is_int(config.seed) and config.seed >= 0, "an int >= 0",
+         config.seed)
+  tr = config.train
+  for field, low in (("num_steps", 1), ("batch_size", 1), ("log_every", 1),
+                     ("eval_every", 1), ("eval_batches", 1),
+                     ("eval_batch_size", 1), ("checkpoint_every", 1),
+                     ("warmup_steps", 0)):
+    _check(f"train.{field}", _is_int(tr[field]) and tr[field] >= low,
+           f"an int >= {low}", tr[field])
+  for field in ("learning_rate", "grad_clip"):
+    _check(f"train.{field}",
+           isinstance(tr[field], (int, float)) and tr[field] > 0
+           and math.isfinite(tr[field]), "a positive number", tr[field])
+  _check("train.weight_decay",
+         isinstance(tr.weight_decay, (int, float)) and tr.weight_decay >= 0,
+         "a number >= 0", tr.weight_decay)
+  _check("train.final_lr_fraction",
+         isinstance(tr.final_lr_fraction, (int, float))
+         and 0 <= tr.final_lr_fraction <= 1, "in [0, 1]", tr.final_lr_fraction)
+  _check("train.stop_at_accuracy", tr.stop_at_accuracy is None or (
+      0 < tr.stop_at_accuracy <= 1), "None or in (0, 1]", tr.stop_at_accuracy)
+  _check("train.warmup_steps", tr.warmup_steps < tr.num_steps,
+         f"< train.num_steps ({tr.num_steps})", tr.warmup_steps)
+  _check("mesh", "mesh" in config, "a section of the config", None)
+  for field in ("data", "context"):
+    value = config.mesh[field]
+    _check(f"mesh.{field}", _is_int(value) and value >= 1, "an int >= 1",
+           value)
+  for field in ("batch_size", "eval_batch_size"):
+    _check(f"train.{field}", tr[field] % config.mesh.data == 0,
+           f"a multiple of mesh.data ({config.mesh.data})", tr[field])
+  if config.mesh.context > 1:
+    if config.model.mixer == "attention":
+      raise NotImplementedError(
+          "model.mixer='attention' (the softmax baseline) has no context"
+          " parallelism; use mesh.context=1 for it.")
+    if uses_kda(config) and config.model.kda.context_axis is not None:
+      raise ValueError(
+          "model.kda.context_axis must be None: mesh.context sets it; got"
+          f" {config.model.kda.context_axis!r}.")
+
+
+def make_mesh(config) -> jax.sharding.Mesh | None:
+  """The ("data", "context") Mesh of `config.mesh`, or None for 1 x 1."""
+  data, context = config.mesh.data, config.mesh.context
+  n = data * context
+  if n == 1:
+    return None
+  available = jax.device_count()
+  if n > available:
+    raise ValueError(
+        f"mesh.data * mesh.context ({data} x {context} = {n}) must be <= the"
+        f" number of devices ({available}). On CPU, simulate devices with"
+        f" XLA_FLAGS=--xla_force_host_platform_device_count={n}.")
+  devices = np.asarray(jax.devices()[:n]).reshape(data, context)
+  return jax.sharding.Mesh(devices, ("data", "context"))
+
+
+def uses_kda(config) -> bool:
+  return config.model.mixer in KDA_MIXERS
+
+
+def kda_backend(config) -> str | None:
+  """The KDA backend this run uses (resolved: never "auto"), or None."""
+  if not uses_kda(config):
+    return None
+  return backends.resolve(config.model.kda.backend).value
+
+
+def backend_context(config):
+  """Mosaic interpret mode when the config asks for Mosaic off-TPU.
+
+  The real tokamax Pallas kernel then runs in Pallas interpret mode (seconds
+  per call: keep shapes tiny); on a TPU the kernel runs natively.
+  """
+  if kda_backend(config) == "mosaic" and jax.default_backend() != "tpu":
+    logging.info(
+        "KDA backend is mosaic and the default device is %s, not a TPU: "
+        "running inside linear_attention.ops.kda.mosaic.interpret_mode() "
+        "(Pallas interpret mode, slow).", jax.default_backend())
+    return mosaic.interpret_mode()
+  return contextlib.nullcontext()
+
+
+def make_optimizer(tr) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=tr.learning_rate,
+      warmup_steps=tr.warmup_steps, decay_steps=tr.num_steps,
+      end_value=tr.learning_rate * tr.final_lr_fraction)
+  # No weight decay on vectors (norm scales, biases, gates' scalars).
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  opt = optax.chain(
+      optax.clip_by_global_norm(tr.grad_clip),
+      optax.adamw(schedule, b1=tr.b1, b2=tr.b2,
+                  weight_decay=tr.weight_decay, mask=decay_mask))
+  return opt, schedule
+
+
+def masked_sums(logits, targets, mask):
+  """(cross-entropy sum, number scored, correct sum) where mask is 1."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  return (nll * mask).sum(), mask.sum(), (correct * mask).sum()
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What a config compiles to: task, model, optimiser and jitted steps."""
+
+  task: Any
+  model: Any
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  train_step: Any  # (params, opt_state, batch) -> (params, opt_state, metrics)
+  eval_step: Any  # (params, batch) -> (loss, accuracy)
+  init: Any  # (rng, tokens) -> params
+
+
+# Reusing the jitted functions of an identical config (a resumed run, a test
+# rerun) skips recompiling; a few entries at most.
+_PROGRAMS: "collections.OrderedDict[str, Program]" = collections.OrderedDict()
+_MAX_PROGRAMS = 4
+
+
+def build_program(config) -> Program:
+  """Builds (or reuses) the task, model and jitted steps for `config`."""
+  key = config.to_json_best_effort(sort_keys=True)
+  if key in _PROGRAMS:
+    return _PROGRAMS[key]
+  tr = config.train
+  task = tasks_lib.make_task(**config.task.to_dict())
+  mesh = make_mesh(config)
+  model_config = config.model
+  context = config.mesh.context
+  if context > 1:
+    _check("task.seq_len", task.seq_len % context == 0,
+           f"a multiple of mesh.context ({context})", task.seq_len)
+    if uses_kda(config):  # the layer runs KDA and its conv across ranks
+      model_config = copy.deepcopy(config.model)
+      model_config.kda.context_axis = "context"
+  model = model_lib.make_model(model_config, task.vocab_size)
+  # Parameters do not depend on the mesh: initialise them outside it.
+  init_model = (model if model_config is config.model else
+                model_lib.make_model(config.model, task.vocab_size))
+  optimizer, schedule = make_optimizer(tr)
+  b, t, v = tr.batch_size, task.seq_len, task.vocab_size
+
+  def sums_fn(params, batch):  # on one shard of the mesh, or on everything
+    logits = model.apply(params, batch["inputs"])
+    chex.assert_shape(logits, (*batch["inputs"].shape, v))
+    return masked_sums(logits, batch["targets"], batch["mask"])
+
+  if mesh is None:
+    def loss_fn(params, batch):
+      nll, count, correct = sums_fn(params, batch)
+      denom = jnp.maximum(count, 1.0)
+      return nll / denom, correct / denom
+  else:
+    loss_fn = parallel_train.shard_loss_fn(
+        sums_fn, mesh, "data", "context" if context > 1 else None,
+        has_aux=True)
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    chex.assert_shape([batch["inputs"], batch["targets"], batch["mask"]],
+                      (b, t))
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, batch)
+    chex.assert_trees_all_equal_shapes(grads, params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    all_finite = jnp.all(jnp.stack(
+        [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    return params, opt_state, dict(loss=loss, accuracy=acc,
+                                   grad_norm=optax.global_norm(grads),
+                                   grads_finite=all_finite)
+
+  prog = Program(task=task, model=model, optimizer=optimizer,
+                  schedule=schedule, train_step=train_step,
+                  eval_step=jax.jit(loss_fn), init=jax.jit(init_model.init))
+  _PROGRAMS[key] = prog
+  while len(_PROGRAMS) > _MAX_PROGRAMS:
+    _PROGRAMS.popitem(last=False)
+  return prog
+
+
