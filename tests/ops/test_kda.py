@@ -16,6 +16,8 @@ import numpy as np
 
 from linear_attention import ops
 from linear_attention import testing
+from linear_attention.ops import backends
+from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import chunked
 from tests.kda_oracle import kda_numpy
 
@@ -156,7 +158,7 @@ CHUNKED_CASES = (
     ("lower_bound_1_segments", Case(t=130, segments=True, lower_bound=-1.0,
                                     k=32)),
 )
-# Every case at both chunk sizes (chunked.chunk_size: 16 on CPU, 64 on
+# Every case at both chunk sizes (backends.chunk_size: 16 on CPU, 64 on
 # accelerators); only 64-token chunks have several blocks.
 CHUNKED_CASES_BY_SIZE = tuple(
     (f"{name}_chunk{size}", case, size)
@@ -170,7 +172,7 @@ class ChunkedVsReferenceTest(chex.TestCase):
   def test_forward_and_gradients(self, case, size):
     args, kw = make_inputs(case)
     # kw holds arrays (segment ids): close over it instead of passing it.
-    with mock.patch.object(chunked, "chunk_size", lambda: size):
+    with mock.patch.object(backends, "chunk_size", lambda platform=None: size):
       actual = self.variant(lambda a: loss_and_grads(a, kw, "chunked"))(args)
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
@@ -208,21 +210,18 @@ class ChunkedVsReferenceTest(chex.TestCase):
 
 
 class ChunkedBlockSizeTest(parameterized.TestCase):
-  # The cases above at -2.5 and -1 run the 32- and 64-token paths only if
-  # the bound selects them.
+  """The exp split is safe for every bound (whatever block the tuning picks)."""
 
-  @parameterized.parameters(
-      (-5.0, True, (16, True)), (-3.0, True, (16, True)),
-      (-2.5, True, (32, True)), (-1.25, True, (64, True)),
-      (-1.0, True, (64, True)), (None, True, (16, False)),
-      (-1.0, False, (16, False)))
-  def test_block_size(self, lower_bound, fused, expected):
-    self.assertEqual(chunked.block_size(lower_bound, fused), expected)
-
-  @parameterized.parameters((-5.0, True), (-1.0, True), (None, True))
-  def test_16_token_chunks_are_one_block(self, lower_bound, fused):
-    self.assertEqual(chunked.block_size(lower_bound, fused, 16)[0], 16)
-
+  def test_every_block_keeps_its_factors_finite(self):
+    for chunk in (16, 64):
+      for bound in np.linspace(-5.0, -0.05, 60):
+        block, bounded = chunked.block_size(float(bound), True, chunk)
+        assert bounded and chunk % block == 0, (chunk, bound, block)
+        # The largest factor exp(-incl) of a block: finite in float32.
+        assert np.isfinite(np.exp(np.float32(block * -bound))), (bound, block)
+      # Without a bound there is none to factor by: the runtime-check path.
+      for bound, fused in ((None, True), (-1.0, False)):
+        assert not chunked.block_size(bound, fused, chunk)[1]
 
 class ChunkedGroupsTest(parameterized.TestCase):
   # Without segments the chunks run in groups (chunked.group_size, ~16
@@ -245,20 +244,20 @@ class ChunkedGroupsTest(parameterized.TestCase):
   def test_forward_and_gradients(self, width, size, case):
     args, kw = make_inputs(case)
     with (mock.patch.object(chunked, "_GROUP_WIDTH", width),
-          mock.patch.object(chunked, "chunk_size", lambda: size)):
+          mock.patch.object(backends, "chunk_size", lambda platform=None: size)):
       actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
 
-  @parameterized.parameters(
-      ((64, 4, 64), (4, 16)),  # (1, 4096, 4, 64): 16 steps of 4 chunks
-      ((65, 4, 64), (4, 17)),  # one chunk more: 68 chunks, 3 padded
-      ((32, 16, 128), (1, 32)),  # wide heads: one chunk per step
-      ((3, 1, 16), (3, 1)),  # short sequence: one step
-      ((256, 4, 64, 16), (16, 16)),  # chunk 16: as many tokens a step
-  )
-  def test_group_size(self, args, expected):
-    self.assertEqual(chunked.group_size(*args), expected)
+  def test_groups_cover_every_chunk_with_little_padding(self):
+    for num_chunks in range(1, 300, 7):
+      for batch_heads, head_dim, chunk in ((4, 64, 64), (16, 128, 64),
+                                           (1, 16, 64), (4, 64, 16)):
+        size, groups = chunked.group_size(num_chunks, batch_heads, head_dim,
+                                          chunk)
+        assert size >= 1 and size * groups >= num_chunks
+        # Padding the last group wastes less than one chunk per group.
+        assert size * groups - num_chunks < groups, (num_chunks, size, groups)
 
 
 class MosaicVsReferenceTest(parameterized.TestCase):
@@ -272,7 +271,7 @@ class MosaicVsReferenceTest(parameterized.TestCase):
   )
   def test_forward_and_gradients(self, case):
     args, kw = make_inputs(case)
-    with testing.mosaic_interpret_mode():
+    with mosaic.interpret_mode():
       actual = loss_and_grads(args, kw, "mosaic")
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
@@ -281,7 +280,7 @@ class MosaicVsReferenceTest(parameterized.TestCase):
     args, kw = make_inputs(Case(b=1, t=63, h=1, k=16, v=16))
     with self.assertRaisesRegex(NotImplementedError, "interpret"):
       ops.kimi_delta_attention(**args, backend="mosaic", **kw)
-    with testing.mosaic_interpret_mode():
+    with mosaic.interpret_mode():
       with self.assertRaisesRegex(NotImplementedError, "multiple of 64"):
         ops.kimi_delta_attention(**args, backend="mosaic", **kw)
       args64, kw64 = make_inputs(Case(b=1, t=64, h=1, k=16, v=16,
