@@ -19,6 +19,7 @@ from linear_attention import testing
 from linear_attention.ops import backends
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import chunked
+from linear_attention.ops.kda.chunked import grouped as chunked_grouped
 from tests.kda_oracle import kda_numpy
 
 GRAD_ARGS = ("q", "k", "v", "g", "beta", "a_log", "dt_bias", "initial_state")
@@ -243,7 +244,7 @@ class ChunkedGroupsTest(parameterized.TestCase):
   )
   def test_forward_and_gradients(self, width, size, case):
     args, kw = make_inputs(case)
-    with (mock.patch.object(chunked, "_GROUP_WIDTH", width),
+    with (mock.patch.object(chunked_grouped, "GROUP_WIDTH", width),
           mock.patch.object(backends, "chunk_size", lambda platform=None: size)):
       actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)

@@ -1,0 +1,97 @@
+"""The dense schedule (no segments): a scan over groups of chunks.
+
+See `chunked/__init__.py` (Schedule) for why groups: intermediates stay in
+cache, and the checkpointed step recomputes a group in the backward.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from linear_attention.ops.kda import common
+from linear_attention.ops.kda.chunked import intra
+from linear_attention.ops.kda.chunked import linalg
+
+# Chunk-heads x K per step of the grouped scan, in 64-token chunks: 16 chunks
+# of K = 64 (1024 tokens x heads), a working set of a few MiB that stays in
+# cache (see `grouped_core`); smaller chunks take as many tokens a step.
+GROUP_WIDTH = 16 * 64
+
+
+def group_size(num_chunks, batch_heads, head_dim, chunk=64):
+  """(chunks per group, groups) of the grouped scan; groups * size >= chunks.
+
+  About 1024 tokens x heads at K = 64 per group (16 chunk-heads of 64
+  tokens; fewer when K is larger), sized so that padding the last group
+  wastes less than one chunk per group.
+  """
+  width = GROUP_WIDTH * 64 // chunk  # the same tokens per step at any chunk
+  size = max(1, min(num_chunks, width // (batch_heads * head_dim)))
+  groups = -(-num_chunks // size)
+  return -(-num_chunks // groups), groups
+
+
+def grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
+  """Raw inputs without segments -> (o [B,T,H,V] f32, finals [B,1,H,K,V]).
+
+  The same chunk math as `segmented.chunked_core`, computed group by group: a
+  `lax.scan` over groups of `group_size` chunks (all heads and rows of the
+  batch) carries the state [B * H, K, V] (`init` [B, H, K, V] float32).
+  Inside a step, the group's tokens are prepared (`prep`: `common.prepare`
+  on a slice; gates, L2 norm, casts), cut into chunks, their intra-chunk work
+  is batched, the group's chunks update the state one after another
+  (V_new = U - W X, then X' = exp(G_C) X + K_end^T V_new), and the outputs
+  are read. A whole-sequence pass makes every intermediate
+  ([.., C, C] scores, [.., C, K] factors) a DRAM round trip; per group they
+  stay in cache, which on a CPU halves the forward. The step is
+  `jax.checkpoint`ed: the backward recomputes a group from its inputs and
+  carried state instead of storing every intermediate.
+  """
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  c = chunk
+  sub, bounded = block
+  gs, ng = group_size(-(-t // c), b * h, kd, c)
+  span = gs * c
+  pad = ng * span - t
+  if pad:  # padding writes nothing (k, v, beta = 0); its g is zeroed below
+    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
+
+  # [B, T, H, *] -> [NG, B, GS * C, H, *] (a reshape when B = 1)
+  to_groups = lambda x: jnp.moveaxis(x.reshape((b, ng, span) + x.shape[2:]),
+                                     1, 0)
+  xs = tuple(map(to_groups, (q, k, v, g, beta)))
+  xs += ((jnp.arange(ng * span) < t).reshape(ng, span),)
+  # [B, GS * C, H, *] -> [GS, B * H, C, *], in cache
+  chunks = lambda x: jnp.transpose(x.reshape((b, gs, c, h, -1)),
+                                   (1, 0, 3, 2, 4)).reshape(gs, b * h, c, -1)
+
+  def step(state, group):
+    *raw, real = group
+    qg, kg, vg, gg, bg = prep(*raw)[:5]
+    if pad:  # padding does not decay the state
+      gg = jnp.where(real[None, :, None, None], gg, 0.0)
+    qc, kc, vc, gc = map(chunks, (qg, kg, vg, gg))
+    bc = chunks(bg[..., None])[..., 0]
+    dec = intra.intra_chunk(qc, kc, gc, None, None, False, bounded, sub)
+    wu, q_dec = intra.ut_transform(qc, kc, vc, bc, dec)
+    w, u = wu[..., :kd], wu[..., kd:]
+    k_end = linalg.transposed(kc * dec.to_end)  # [GS, B * H, K, C]
+    # Per-chunk operands by one split each: its transpose is one concatenate
+    # (indexing chunk by chunk would transpose to GS full-size pads and adds).
+    per_chunk = lambda x: [y[0] for y in jax.lax.split(x, (1,) * gs)]
+    ws, us, k_ends, totals = map(per_chunk, (w, u, k_end, dec.total))
+    carried, v_new = [], []  # the state entering each chunk; its errors
+    for j in range(gs):
+      carried.append(state)
+      v_new.append(us[j] - linalg.mm(ws[j], state))
+      state = totals[j][..., None] * state + linalg.mm(k_ends[j], v_new[j])
+    carried, v_new = jnp.stack(carried), jnp.stack(v_new)
+    o = linalg.mm(q_dec, carried) + linalg.mm(dec.a_qk, v_new)
+    o = jnp.transpose(o.reshape(gs, b, h, c, vd), (1, 0, 3, 2, 4))
+    return state, o.reshape(b, span, h, vd)
+
+  carry0 = common.vary_like(init.reshape(b * h, kd, vd), xs, init)
+  last, o = jax.lax.scan(jax.checkpoint(step, prevent_cse=False), carry0, xs)
+  o = jnp.moveaxis(o, 0, 1).reshape(b, ng * span, h, vd)[:, :t]
+  return o, last.reshape(b, 1, h, kd, vd)

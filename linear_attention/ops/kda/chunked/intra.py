@@ -1,0 +1,199 @@
+"""The chunk pieces: block sizes, decays and scores, the UT transform.
+
+`intra_chunk` computes a chunk's cumulative decays and its A (key-key) and
+A_qk (query-key) scores, blocked so that no exponent overflows;
+`ut_transform` turns them into W and U; `affine_maps` into the chunk's
+affine state map (used with packed segments). See `chunked/__init__.py`.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linear_attention.ops.kda.chunked import linalg
+
+SUB = linalg.SUB  # block size when the decays are unbounded
+
+
+# exp(-x) is finite in float32 for x <= 88; 16 tokens at -5 give 80.
+FACTOR_LIMIT = 80.0
+
+
+def block_size(lower_bound, use_gate_in_kernel,
+               chunk=64) -> tuple[int, bool]:
+  """(block size, bounded): the largest block the exp split is safe over.
+
+  Under a lower-bound gate every g >= lower_bound, so a block of S tokens
+  spans at most S * |lower_bound|; the diagonal blocks may factor as
+  exp(incl_i) exp(-incl_j) when that is <= 80. At -5 that is 16 tokens; at
+  -2.5, 32; from -1.25 up, the whole 64-token chunk is one block (no
+  off-diagonal products). Other gates: 16, with a runtime check (`bounded`
+  False).
+  """
+  if not (use_gate_in_kernel and lower_bound is not None):
+    return SUB, False
+  for size in (chunk, chunk // 2):
+    if size >= SUB and size * abs(lower_bound) <= FACTOR_LIMIT:
+      return size, True
+  return SUB, True
+
+
+class ChunkDecays(NamedTuple):
+  """Per-chunk decay factors and score matrices (all exponents <= 0)."""
+
+  read: jax.Array  # [..., C, K] exp(G_i): token i reads the chunk-start state
+  to_end: jax.Array  # [..., C, K] exp(G_last - G_j), within the last run
+  total: jax.Array  # [..., K] exp(G_last)
+  a_kk: jax.Array  # [..., C, C] strictly lower k_i.(exp(G_i - G_j) k_j)
+  a_qk: jax.Array  # [..., C, C] lower (incl. diagonal) q_i.(exp(G_i - G_j) k_j)
+  G: jax.Array | None  # [..., C, K] run-restarting cumulative decay (segments)
+
+
+def intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
+  """Decays and masked score matrices for all chunks at once.
+
+  Cut each chunk into NB = C / S blocks (S = `sub`). With incl[i] the sum of
+  g over [block start, i] and after[j] the sum over (j, block end], a pair
+  j < i with i in block n and j in an earlier block m factors exactly into
+  three exponents, each <= 0:
+
+      G_i - G_j = incl[i] + (sum of the whole blocks between m and n) + after[j]
+
+  Inside a block, when every |incl| <= 80 (always under a lower-bound gate:
+  S * |bound|), the pair factors as exp(incl[i]) exp(-incl[j]), both finite
+  in float32. So the rows of block n are (q | k) * exp(incl), and its columns
+  are k_j * exp(between + after[j]) left of the block and k_j * exp(-incl[j])
+  inside it: all scores of block n are one [2S, K] x [K, C] matmul, batched
+  over blocks and chunks (the [NB, C, K] column tensor is the only copy).
+  When the decays are unbounded (pre-activated or softplus gates) and some
+  |incl| > 80, a runtime branch computes the diagonal blocks with the exact
+  masked exponent on [NB, 16, 16, K] instead.
+
+  Args:
+    q, k, g: [..., C, K] (q scaled); g the log decay (<= 0).
+    run: [..., C] run index per token (segmented only).
+    starts: [..., C] bool, token starts a run (segmented only).
+    segmented: static; False means one run per chunk.
+    bounded: static; True when a lower-bound gate keeps sub * |g| <= 80.
+    sub: static block size (see `block_size`).
+
+  Returns:
+    ChunkDecays.
+  """
+  c, kd = k.shape[-2:]
+  nb = c // sub
+  batch = g.shape[:-2]
+  blocks = lambda x: x.reshape(batch + (nb, sub, x.shape[-1]))
+  incl = linalg.range_sums(g, sub, lambda i, j: j <= i)  # [..., C, K]
+  after = linalg.range_sums(g, sub, lambda i, j: j > i)
+  tot = incl[..., sub - 1::sub, :]  # [..., NB, K] whole-block sums
+
+  row = jnp.exp(incl)
+  q_row, k_row = q * row, k * row
+  rows = jnp.concatenate([blocks(q_row), blocks(k_row)], axis=-2)  # 2S rows
+  col = jnp.exp(after)
+  if nb > 1:  # columns of earlier blocks, as seen from each row block
+    bi = jnp.arange(nb)
+    between = linalg.block_sums(tot, lambda n, m, l: (m < l) & (l < n))
+    mid = linalg.exp_masked(between, (bi[:, None] > bi[None, :])[..., None])
+    earlier = mid[..., :, :, None, :] * blocks(k * col)[..., None, :, :, :]
+    on_diag = (bi[:, None] == bi[None, :])[:, :, None, None]
+
+  def scores(diag_cols):
+    # cols[n, m]: the columns of block m as seen from the rows of block n
+    cols = diag_cols
+    if nb > 1:
+      cols = jnp.where(on_diag, diag_cols[..., None, :, :, :], earlier)
+    a = linalg.mm_nt(rows, cols.reshape(batch + (nb, c, kd)))  # [..., NB, 2S, C]
+    return (a[..., :sub, :].reshape(batch + (c, c)),
+            a[..., sub:, :].reshape(batch + (c, c)))
+
+  def factored(_):
+    return scores(blocks(k * jnp.exp(-incl)))  # <= exp(80)
+
+  def exact(_):
+    a_qk, a_kk = scores(jnp.zeros(batch + (nb, sub, kd), k.dtype))
+    gb, qb, kb = blocks(g), blocks(q), blocks(k)
+    s = jnp.arange(sub)
+    # pair[s, t] = sum over (t, s] of g: cumsum over u of g_u 1[u > t].
+    after_t = jnp.where((s[None, :] > s[:, None])[..., None],
+                        gb[..., None, :, :], 0.0)  # [..., NB, t, u, K]
+    pair = jnp.swapaxes(jax.lax.cumsum(after_t, axis=after_t.ndim - 2),
+                        -2, -3)
+    decay = linalg.exp_masked(pair, (s[:, None] >= s[None, :])[..., None])
+    d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, decay)
+    d_kk = jnp.einsum("...sk,...tk,...stk->...st", kb, kb, decay)
+    place = lambda a, d: (a.reshape(batch + (nb, sub, nb, sub)) + jnp.where(
+        jnp.eye(nb, dtype=bool)[:, None, :, None], d[..., :, :, None, :],
+        0.0)).reshape(a.shape)
+    return place(a_qk, d_qk), place(a_kk, d_kk)
+
+  if bounded:
+    a_qk, a_kk = factored(None)
+  else:
+    a_qk, a_kk = jax.lax.cond(jnp.min(incl) >= -FACTOR_LIMIT, factored,
+                              exact, None)
+  i = jnp.arange(c)
+  lower, strict = i[:, None] >= i[None, :], i[:, None] > i[None, :]
+  if segmented:
+    same = run[..., :, None] == run[..., None, :]  # [..., C, C]
+    lower, strict = lower & same, strict & same
+  a_qk = jnp.where(lower, a_qk, 0.0)
+  a_kk = jnp.where(strict, a_kk, 0.0)
+
+  # With one block the whole-block factors below are all exp(0): skipped, so
+  # that the backward does not reduce their zero gradients.
+  to_end = col
+  if nb > 1:
+    suffix = linalg.block_sums(tot, lambda n, m, l: l > n)[..., 0, :]  # [..., NB, K]
+    to_end = (blocks(col) * jnp.exp(suffix)[..., None, :]).reshape(g.shape)
+  if segmented:
+    G = linalg.segmented_cumsum(g, (starts | (jnp.arange(c) == 0))[..., None],
+                          axis=-2)
+    read = jnp.exp(G)
+    total = read[..., -1, :]
+    in_last = (run == run[..., -1:])[..., None]
+    to_end = jnp.where(in_last, to_end, 0.0)
+  else:
+    G = None
+    read = row
+    if nb > 1:
+      prefix = linalg.block_sums(tot, lambda n, m, l: l < n)[..., 0, :]
+      read = (blocks(row) * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
+    total = jnp.exp(jnp.sum(tot, axis=-2))
+  return ChunkDecays(read=read, to_end=to_end, total=total, a_kk=a_kk,
+                     a_qk=a_qk, G=G)
+
+
+def ut_transform(qc, kc, vc, bc, dec):
+  """The UT transform of every chunk.
+
+  Args:
+    qc, kc, vc: [..., C, K|V] chunked inputs (q scaled); bc: [..., C] beta.
+    dec: the chunks' `ChunkDecays`.
+
+  Returns:
+    (wu, q_dec): [W | U] [..., C, K + V] with (I + A) [W | U] =
+    Diag(beta) [exp(G) K | V], and q_dec = exp(G) * Q, which reads the
+    chunk-start state.
+  """
+  rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
+  # The solve always works on 16 x 16 blocks (its numerics do not depend on
+  # how the scores were factored).
+  return linalg.ut_solve(dec.a_kk * bc[..., None], rhs), qc * dec.read
+
+
+def affine_maps(qc, kc, vc, bc, dec):
+  """`ut_transform` and each chunk's affine state map X_next = trans X + bias.
+
+  Returns:
+    (w, u, q_dec, trans, bias).
+  """
+  kd = kc.shape[-1]
+  wu, q_dec = ut_transform(qc, kc, vc, bc, dec)
+  # (exp(G_C - G) K)^T as an array of its own (see `linalg.mm`).
+  k_end_wu = linalg.mm(linalg.transposed(kc * dec.to_end), wu)  # [..., K, K + V]
+  trans = jnp.eye(kd, dtype=kc.dtype) * dec.total[..., None, :] - k_end_wu[
+      ..., :kd]
+  return wu[..., :kd], wu[..., kd:], q_dec, trans, k_end_wu[..., kd:]

@@ -1,0 +1,163 @@
+"""The packed-segment schedule: all chunks batched, affine maps scanned.
+
+A run of a segment may start anywhere inside a chunk; see
+`chunked/__init__.py` (Packed segments) and `ops/kda/common.py`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from linear_attention.ops.kda import common
+from linear_attention.ops.kda.chunked import intra
+from linear_attention.ops.kda.chunked import linalg
+
+def runs(segment_ids):
+  """Forward-filled run structure of [B, T] segment ids.
+
+  Returns (run_seg, run_index, start): the segment a token's run belongs to
+  (padding joins the run before it; leading padding is run segment 0), a
+  per-row run counter, and where runs start.
+  """
+  b, t = segment_ids.shape
+  pos = jnp.arange(t)[None, :]
+  last_valid = jax.lax.cummax(jnp.where(segment_ids > 0, pos, -1), axis=1)
+  run_seg = jnp.where(
+      last_valid >= 0,
+      jnp.take_along_axis(segment_ids, jnp.maximum(last_valid, 0), axis=1), 0)
+  prev = jnp.concatenate(
+      [jnp.full((b, 1), -1, run_seg.dtype), run_seg[:, :-1]], axis=1)
+  start = run_seg != prev
+  run_index = jnp.cumsum(start, axis=1) - 1
+  return run_seg, run_index, start
+
+
+def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
+                  output_final_state, block, chunk):
+  """Canonical float32 inputs with segments -> (o, finals [B,N,H,K,V]).
+
+  All chunks at once: the intra-chunk work is batched over every chunk, the
+  affine maps are scanned (resetting where a segment starts), then the
+  outputs of all chunks are read in one batched pass.
+  """
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  n_seg = init.shape[1]
+  sub, bounded = block
+  c = chunk
+  nc = -(-t // c)
+  pad = nc * c - t
+
+  valid = segment_ids > 0
+  # Padding is a no-op: no decay, no write, no read.
+  zero = lambda x: jnp.where(valid[..., None, None], x, 0.0)
+  q, k, v, g = zero(q), zero(k), zero(v), zero(g)
+  beta = jnp.where(valid[..., None], beta, 0.0)
+  if pad:
+    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
+    segment_ids = pad_t(segment_ids)
+
+  # [B, T, H, *] -> [B, NC, H, C, *]
+  to_chunks = lambda x: jnp.moveaxis(
+      x.reshape((b, nc, c) + x.shape[2:]), 3, 2)
+  qc, kc, vc, gc = map(to_chunks, (q, k, v, g))
+  bc = jnp.moveaxis(beta.reshape(b, nc, c, h), 3, 2)  # [B, NC, H, C]
+
+  run_seg, run_index, start = runs(segment_ids)
+  per_chunk = lambda x: x.reshape(b, nc, 1, c)  # broadcast over H
+  run_c, start_c, seg_c = map(per_chunk, (run_index, start, run_seg))
+  # A token reads the carried state iff its run began before the chunk.
+  cont = (run_c == run_c[..., :1]) & ~start_c[..., :1]  # [B, NC, 1, C]
+
+  dec = intra.intra_chunk(qc, kc, gc, run_c, start_c, True, bounded, sub)
+  a_qk = dec.a_qk
+  w, u, q_dec, trans, bias = intra.affine_maps(qc, kc, vc, bc, dec)
+
+  # Initial states of segments whose runs start inside a chunk.
+  init0 = jnp.concatenate([jnp.zeros_like(init[:, :1]), init], axis=1)
+  last_cont = cont[..., 0, -1]  # [B, NC]: chunk-end run began earlier
+  last_seg = seg_c[..., 0, -1]  # [B, NC]
+  init_last = jnp.take_along_axis(
+      init0, last_seg[..., None, None, None], axis=1) if init_given else None
+
+  def step(state, xs):
+    trans_c, bias_c, keep, fresh = xs
+    x = jnp.where(keep[:, None, None, None], state,
+                  fresh if init_given else 0.0)
+    return linalg.mm(trans_c, x) + bias_c, state
+
+  xs = [jnp.moveaxis(trans, 1, 0), jnp.moveaxis(bias, 1, 0),
+        jnp.moveaxis(last_cont, 1, 0),
+        jnp.moveaxis(init_last, 1, 0) if init_given
+        else jnp.zeros((nc,), jnp.float32)]
+  carry0 = jnp.zeros((b, h, kd, vd), jnp.float32)
+  # carried[:, n]: the state entering chunk n (the end state of chunk n - 1).
+  carry0 = common.vary_like(carry0, xs, init)
+  _, carried = jax.lax.scan(step, carry0, xs)
+  carried = jnp.moveaxis(carried, 0, 1)  # [B, NC, H, K, V]
+
+  w_x, q_x = linalg.mm(w, carried), linalg.mm(q_dec, carried)
+  cont_f = cont[..., None].astype(jnp.float32)
+  w_x, q_x = w_x * cont_f, q_x * cont_f
+  if init_given:
+    # Tokens of runs that start inside the chunk read their own segment's
+    # initial state: [.., C, K] x [B, N, H, K, V] selected per token.
+    tok_seg = jnp.broadcast_to(seg_c, (b, nc, h, c))
+    fresh = 1.0 - cont_f
+    w_x = w_x + fresh * _read_init(w, init0, tok_seg)
+    q_x = q_x + fresh * _read_init(q_dec, init0, tok_seg)
+  v_new = u - w_x
+  o = q_x + linalg.mm(a_qk, v_new)
+
+  o = jnp.moveaxis(o, 2, 3).reshape(b, nc * c, h, vd)[:, :t]
+  o = jnp.where(valid[..., None, None], o, 0.0)
+
+  finals = init
+  if output_final_state:
+    finals = _segment_finals(
+        init, init0, run_index, run_seg, carried, dec.G, gc, kc, v_new, cont,
+        run_c, init_given, n_seg)
+  return o, finals
+
+
+def _read_init(x, init0, tok_seg):
+  """x [B,NC,H,C,K] times init0[seg of each token] [K,V] -> [B,NC,H,C,V]."""
+  per_seg = jnp.einsum("bnhck,bshkv->bnhcsv", x, init0)
+  return jnp.take_along_axis(
+      per_seg, tok_seg[..., None, None], axis=-2)[..., 0, :]
+
+
+def _segment_finals(init, init0, run_index, run_seg, carried, G, gc, kc, v_new,
+                    cont, run_c, init_given, n_seg):
+  """Final state of each segment: the state after the end of its last run."""
+  b, nc, h, c, kd = kc.shape
+  t_pad = nc * c
+  pos = jnp.arange(t_pad)
+  seg_ids = jnp.arange(1, n_seg + 1)
+  # Last run of each segment, and the last position of that run.
+  is_seg = run_seg[:, None, :] == seg_ids[None, :, None]  # [B, N, T]
+  last_run = jnp.max(jnp.where(is_seg, run_index[:, None, :], -1), axis=-1)
+  present = last_run >= 0  # [B, N]
+  in_run = run_index[:, None, :] == last_run[..., None]
+  end = jnp.max(jnp.where(in_run & present[..., None], pos, 0), axis=-1)
+  chunk = end // c  # [B, N]
+  e = end % c
+  gather_chunk = lambda x: jnp.take_along_axis(
+      x, chunk.reshape((b, -1) + (1,) * (x.ndim - 2)), axis=1)
+  G_n, g_n, k_n, v_n, carried_n = map(
+      gather_chunk, (G, gc, kc, v_new, carried))
+  cont_n = gather_chunk(cont[:, :, 0])  # [B, N, C]
+  run_n = gather_chunk(run_c[:, :, 0])  # [B, N, C]
+  tok = jnp.arange(c)
+  mine = (run_n == last_run[..., None]) & (tok[None, None, :] <= e[..., None])
+  G_e = jnp.take_along_axis(G_n, e[:, :, None, None, None], axis=-2)
+  upto_e = jnp.where((tok[None, None, :] <= e[..., None])[:, :, None, :, None],
+                     g_n, 0.0)
+  decay = linalg.exp_masked(linalg.range_sums(upto_e, c, lambda i, j: j > i),
+                      mine[:, :, None, :, None])  # [B,N,H,C,K]: (j, e]
+  write = jnp.einsum("bnhck,bnhcv->bnhkv", k_n * decay, v_n)
+  e_cont = jnp.take_along_axis(cont_n, e[..., None], axis=-1)[..., 0]
+  x = jnp.where(e_cont[..., None, None, None], carried_n,
+                init0[:, 1:] if init_given else 0.0)
+  final = jnp.exp(G_e[..., 0, :])[..., None] * x + write
+  return jnp.where(present[..., None, None, None], final, init)
