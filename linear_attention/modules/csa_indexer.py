@@ -90,7 +90,7 @@ class CompressedSparseIndexer(hk.Module):
       q_rank: int | None = None,  # width of the low-rank query made from x
       rope_theta: float = 10000.0,  # rotary base
       score_backend: str = "reference",  # ops.csa_streamindex_score backend
-      interpret: bool | None = None,  # pallas only: None = interpret off TPU
+      interpret: bool | None = None,  # pallas only: True = interpret mode
       block_q: int | None = None,  # score tiles (xla_chunked / pallas)
       block_w: int | None = None,  # (pallas only)
       head_chunk: int | None = None,  # (xla_chunked / pallas)

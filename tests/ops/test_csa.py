@@ -264,6 +264,9 @@ def test_bad_inputs_raise_naming_the_argument():
     call(backend="pallas", head_chunk=3)
   with pytest.raises(NotImplementedError, match="head_chunk"):
     call(backend="xla_chunked", head_chunk=3)
+  if jax.default_backend() != "tpu":  # no silent switch to interpret mode
+    with pytest.raises(NotImplementedError, match="interpret=True"):
+      call(backend="pallas")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

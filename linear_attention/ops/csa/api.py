@@ -133,7 +133,8 @@ def csa_streamindex_score(
     q_segment_ids, kv_segment_ids: [B, S], [B, W] int (together or neither);
       packed documents: a block is visible only inside its own segment.
     backend: "reference" | "xla_chunked" | "pallas" (or a `Backend`).
-    interpret: pallas only; None runs interpret mode unless on TPU.
+    interpret: pallas only; True runs Pallas interpret mode on any device,
+      None compiles with Mosaic (TPU only: NotImplementedError elsewhere).
     block_q: query rows per tile (xla_chunked, pallas).
     block_w: blocks per tile (pallas only).
     head_chunk: heads per inner step (xla_chunked, pallas); divides H.

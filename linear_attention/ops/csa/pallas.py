@@ -43,7 +43,9 @@ check. Weights enter the kernels as float32; scores, dq/dk accumulation and
 dweights are float32 throughout.
 
 On TPU the kernels compile with Mosaic; elsewhere `interpret=True` runs the
-same kernels in Pallas interpret mode (slow: tests only).
+same kernels in Pallas interpret mode (slow: tests only). Off TPU without it
+the call raises `NotImplementedError`, the rule of KDA's `mosaic` backend:
+a Pallas backend never switches to interpret mode by itself.
 """
 
 import dataclasses
@@ -369,19 +371,26 @@ def score_pallas(q, k_compressed, weights, *, softmax_scale, q_positions,
   """See `linear_attention.ops.csa_streamindex_score`; float32 [B, S, W].
 
   Args (beyond the op's): block_q (default 128), block_w (default 512),
-  head_chunk (default the largest divisor of H up to 16); interpret: None
-  runs Pallas interpret mode unless the default backend is TPU.
+  head_chunk (default the largest divisor of H up to 16); interpret: True
+  runs the kernels in Pallas interpret mode on any device (slow: tests);
+  None compiles them with Mosaic, which needs a TPU.
 
   Raises:
     NotImplementedError: a tile breaks the TPU block rules (see
-      `resolve_tiles`).
+      `resolve_tiles`), or interpret is None off TPU.
   """
   bsz, s, h, d = q.shape
   w = k_compressed.shape[1]
   bq, bw, hc = resolve_tiles(s, w, h, block_q=block_q, block_w=block_w,
                              head_chunk=head_chunk)
   if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+    if jax.default_backend() != "tpu":
+      raise NotImplementedError(
+          "backend='pallas' compiles its kernels with Mosaic, which needs a"
+          f" TPU; the default device is {jax.default_backend()}. Pass"
+          " interpret=True to run them in Pallas interpret mode (slow), or use"
+          " backend='xla_chunked'.")
+    interpret = False
   t = Tiles(float(softmax_scale), bq, bw, hc, bool(interpret))
   if q_segment_ids is None:
     q_segment_ids = jnp.zeros((bsz, s), jnp.int32)
