@@ -76,11 +76,11 @@ def ours(backend):
 
 
 def tokamax_impl(implementation):
-  from tokamax._src.ops.kda import api as tokamax_kda  # pylint: disable=g-import-not-at-top
+  import tokamax  # pylint: disable=g-import-not-at-top
 
   def f(q, k, v, g, beta, a_log, dt_bias):
     hf = lambda x: jnp.moveaxis(x, 2, 0)
-    o, _ = tokamax_kda.kimi_delta_attention(
+    o, _ = tokamax.ops.kimi_delta_attention(
         hf(q), hf(k), hf(v), hf(g), jnp.moveaxis(beta, 2, 0), a_log=a_log,
         delta_time_bias=dt_bias, use_gate_in_kernel=True, lower_bound=-5.0,
         use_qk_l2norm=True, implementation=implementation)
