@@ -30,13 +30,13 @@ Kimi Linear §5.1, best of a learning-rate grid), with every rate's runs kept
 in results.json.
 """
 
+import contextlib
 import copy
 import dataclasses
-import errno
 import json
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from absl import logging
 import ml_collections
@@ -160,11 +160,8 @@ def claim(run_dir: str) -> bool:
       if pid and (pid == os.getpid() or _pid_alive(pid)):
         return pid == os.getpid()
       logging.info("Taking over %s (its process %d is gone).", path, pid)
-      try:
+      with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-      except OSError as e:
-        if e.errno != errno.ENOENT:
-          raise
       continue
     with os.fdopen(fd, "w") as f:
       f.write(str(os.getpid()))
@@ -173,10 +170,8 @@ def claim(run_dir: str) -> bool:
 
 
 def release(run_dir: str) -> None:
-  try:
+  with contextlib.suppress(FileNotFoundError):
     os.unlink(run_dir + LOCK_SUFFIX)
-  except FileNotFoundError:
-    pass
 
 
 def is_done(run_dir: str) -> bool:
@@ -184,9 +179,7 @@ def is_done(run_dir: str) -> bool:
           or os.path.exists(os.path.join(run_dir, "error.json")))
 
 
-def run_sweep(sweep, workdir: str, *, only: str | None = None,
-              train_fn: Callable[..., Any] = train.train_and_evaluate
-              ) -> list[Run]:
+def run_sweep(sweep, workdir: str, *, only: str | None = None) -> list[Run]:
   """Trains every unfinished run (whose name contains `only`, if given).
 
   A run whose training fails with non-finite gradients is recorded as
@@ -211,7 +204,7 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
       logging.info("Sweep run %d/%d: %s", i + 1, len(todo), run.name)
       try:
         with train.backend_context(run.config):
-          train_fn(run.config, run_dir)
+          train.train_and_evaluate(run.config, run_dir)
       except FloatingPointError as e:
         logging.warning("Run %s diverged: %s", run.name, e)
         with open(os.path.join(run_dir, "error.json"), "w") as f:
