@@ -6,7 +6,8 @@ is head-first: q, k, g [H, B, T, K], v [H, B, T, V], beta [H, B, T], states
 [B, N, H, K, V]. This file transposes our [B, T, H, *] layout in and out and
 turns the kernel's limits into `NotImplementedError`s that name them:
 
-* TPU v6 or newer, or any device inside `interpret_mode()` (below);
+* TPU v6 or newer; on any device inside `interpret_mode()` (runs the kernel
+  in Pallas interpret mode) or `lowering_mode()` (exports it for a TPU);
 * float32 or bfloat16 inputs; K <= 256; chunk size 64;
 * without `segment_ids`, T must be a multiple of 64;
 * the fused gate needs `lower_bound` (tokamax's safe-gate form); the softplus
@@ -39,37 +40,42 @@ CHUNK = 64
 _state = threading.local()
 
 
-def interpret_active() -> bool:
-  """Whether the calling thread is inside `interpret_mode()`."""
-  return getattr(_state, "depth", 0) > 0
+def chip_version(chip) -> pltpu.ChipVersion:
+  """A `pltpu.ChipVersion` from itself or a name ("v6e", "v5p", "7x", ...)."""
+  if isinstance(chip, pltpu.ChipVersion):
+    return chip
+  name = str(chip).upper().removeprefix("TPU_").removeprefix("V")
+  for member in pltpu.ChipVersion:
+    if member.name.removeprefix("TPU_").removeprefix("V") == name:
+      return member
+  raise ValueError(
+      f"chip must be a TPU generation, one of"
+      f" {[m.name.removeprefix('TPU_').lower() for m in pltpu.ChipVersion]};"
+      f" got {chip!r}.")
+
+
+def off_tpu_mode() -> str | None:
+  """This thread's off-TPU mode: "interpret", "lowering", or None."""
+  return getattr(_state, "mode", None)
 
 
 @contextlib.contextmanager
-def interpret_mode(chip=pltpu.ChipVersion.TPU_V6E):
-  """Runs tokamax's Mosaic KDA kernel in Pallas interpret mode on any device.
+def _as_tpu(chip, *, interpret: bool):
+  """tokamax's kernel sees `chip`'s limits and accepts the device.
 
-  The runtime option for `backend="mosaic"` off TPU (tests on CPU, checking
-  a config before paying for a TPU): inside it, Pallas calls run in interpret
-  mode (tokamax reads `PALLAS_INTERPRET=1`), the kernel's VMEM sizing sees
-  the hardware info of `chip`, and tokamax's device check accepts the device.
-  The kernel code is the one a TPU runs; only the lowering differs. tokamax
-  0.0.17 offers no argument for either, so this context sets the variable
-  and patches those two lookups for its duration (and only then).
-
-  Args:
-    chip: the TPU whose limits (VMEM, lanes, sublanes) the kernel's sizing
-      heuristics see; default TPU v6e, the first generation tokamax supports.
-
-  Yields:
-    None. Calls made inside may use `backend="mosaic"` on CPU. Each interpret
-    call takes seconds: keep shapes small.
+  tokamax 0.0.17 takes neither the chip nor interpret mode as an argument, so
+  this sets `PALLAS_INTERPRET` (interpret mode only) and patches its two
+  lookups (`get_tpu_info`, the kernel's device check) for the duration of the
+  context, and only then; its own tests patch the same two.
   """
   from tokamax._src.ops.kda import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
 
-  info = pltpu.get_tpu_info_for_chip(chip, 1)
-  old = os.environ.get("PALLAS_INTERPRET")
-  os.environ["PALLAS_INTERPRET"] = "1"
-  _state.depth = getattr(_state, "depth", 0) + 1
+  info = pltpu.get_tpu_info_for_chip(chip_version(chip), 1)
+  old_env = os.environ.get("PALLAS_INTERPRET")
+  old_mode = off_tpu_mode()
+  if interpret:
+    os.environ["PALLAS_INTERPRET"] = "1"
+  _state.mode = "interpret" if interpret else "lowering"
   try:
     with mock.patch.object(pltpu, "get_tpu_info", return_value=info), \
          mock.patch.object(
@@ -77,21 +83,65 @@ def interpret_mode(chip=pltpu.ChipVersion.TPU_V6E):
              "supported_on", return_value=True):
       yield
   finally:
-    _state.depth -= 1
-    if old is None:
+    _state.mode = old_mode
+    if old_env is None:
       os.environ.pop("PALLAS_INTERPRET", None)
     else:
-      os.environ["PALLAS_INTERPRET"] = old
+      os.environ["PALLAS_INTERPRET"] = old_env
+
+
+@contextlib.contextmanager
+def interpret_mode(chip="v6e"):
+  """Runs tokamax's Mosaic KDA kernel in Pallas interpret mode on any device.
+
+  The runtime option for `backend="mosaic"` off TPU (tests on CPU, checking
+  a config's numbers before paying for a TPU): inside it, Pallas calls run in
+  interpret mode, the kernel's VMEM sizing sees the hardware info of `chip`,
+  and tokamax's device check accepts the device. The kernel code is the one a
+  TPU runs; only the lowering differs.
+
+  Args:
+    chip: the TPU whose limits (VMEM, lanes, sublanes) the kernel's sizing
+      heuristics see (a `pltpu.ChipVersion` or a name such as "v6e");
+      default TPU v6e, the first generation tokamax supports.
+
+  Yields:
+    None. Calls made inside may use `backend="mosaic"` on CPU. Each interpret
+    call takes seconds: keep shapes small.
+  """
+  with _as_tpu(chip, interpret=True):
+    yield
+
+
+@contextlib.contextmanager
+def lowering_mode(chip="v6e"):
+  """Lowers `backend="mosaic"` for a TPU `chip` from any host.
+
+  Inside it, `jax.export.export(f, platforms=["tpu"])` of a function that
+  calls the op with `backend="mosaic"` traces tokamax's kernel sized for
+  `chip` and lowers it to Mosaic (`tpu_custom_call`s in the module), with no
+  TPU attached: check that a model lowers before paying for one. Running
+  (not exporting) such a function on a CPU inside it fails in the lowering.
+
+  Args:
+    chip: a `pltpu.ChipVersion` or a name such as "v6e", "v5p", "7x".
+
+  Yields:
+    None.
+  """
+  with _as_tpu(chip, interpret=False):
+    yield
 
 
 def _check_supported(q, v, *, use_gate_in_kernel, lower_bound, segment_ids):
   b, t, h, kd = q.shape
-  if jax.default_backend() != "tpu" and not interpret_active():
+  if jax.default_backend() != "tpu" and off_tpu_mode() is None:
     raise NotImplementedError(
         "backend='mosaic' runs tokamax's Pallas kernel, which needs a TPU v6+;"
         f" the default device is {jax.default_backend()}. On CPU, call it"
         " inside `linear_attention.ops.kda.mosaic.interpret_mode()` (Pallas"
-        " interpret mode), or use backend='chunked'.")
+        " interpret mode), export it for a TPU inside `lowering_mode()`, or"
+        " use backend='chunked'.")
   if q.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != q.dtype:
     raise NotImplementedError(
         "backend='mosaic' supports float32 and bfloat16 q/k/v of one dtype;"
