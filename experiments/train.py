@@ -47,13 +47,9 @@ from experiments import tasks as tasks_lib
 
 # The names the CLIs and tests use, from the modules that define them.
 KDA_MIXERS = program_lib.KDA_MIXERS
-TARGET_ACCURACY = metrics_lib.TARGET_ACCURACY
 backend_context = program_lib.backend_context
 build_program = program_lib.build_program
-kda_backend = program_lib.kda_backend
 quiet_orbax_logs = checkpoints.quiet_orbax_logs
-steps_to_accuracy = metrics_lib.steps_to_accuracy
-uses_kda = program_lib.uses_kda
 validate_config = program_lib.validate_config
 
 
