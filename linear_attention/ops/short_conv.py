@@ -147,18 +147,21 @@ def short_conv1d(
   xe = jnp.concatenate([prefix, x], axis=1)  # [B, W - 1 + T, C]
   ide = jnp.concatenate([prefix_ids, ids], axis=1)
 
-  wf = w.astype(jnp.float32)
-  acc = jnp.zeros((b, t, c), jnp.float32)
+  # float32 accumulation (float64 when x or w is float64).
+  acc_dtype = jnp.promote_types(
+      jnp.float32, jnp.promote_types(x.dtype, w.dtype))
+  wf = w.astype(acc_dtype)
+  acc = jnp.zeros((b, t, c), acc_dtype)
   intact = jnp.ones((b, t), bool)  # no other run between source and target
   for s in range(width):  # s = steps back from the current token
     start = width - 1 - s
     src, src_ids = xe[:, start:start + t], ide[:, start:start + t]
     intact = intact & ((src_ids == 0) | (src_ids == ids))
     visible = intact & (src_ids == ids)
-    acc = acc + jnp.where(visible[..., None], src.astype(jnp.float32),
+    acc = acc + jnp.where(visible[..., None], src.astype(acc_dtype),
                           0.0) * wf[width - 1 - s]
   if bias is not None:
-    acc = acc + bias.astype(jnp.float32)
+    acc = acc + bias.astype(acc_dtype)
   if activation == "silu":
     acc = jax.nn.silu(acc)
   y = jnp.where((ids != 0)[..., None], acc, 0.0).astype(x.dtype)

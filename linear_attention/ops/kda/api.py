@@ -137,7 +137,9 @@ def kimi_delta_attention(
     use_gate_in_kernel: whether `g` is raw and activated here.
     use_qk_l2norm: L2-normalise q and k (x / sqrt(sum x^2 + 1e-6)).
     initial_state: [B, H, K, V]; with `segment_ids`, [B, N, H, K, V].
-    output_final_state: also return the float32 final state (same shape).
+    output_final_state: also return the final state (same shape), in the
+      compute dtype: float32, or float64 for float64 inputs on `reference`
+      and `chunked` (with `jax_enable_x64`).
     segment_ids: [B, T] int, 1-indexed packed documents, 0 = padding.
     max_num_segments: static N; required with segment_ids and states.
     backend: "reference" | "chunked" | "mosaic" | "auto" (or a `Backend`);
@@ -152,7 +154,7 @@ def kimi_delta_attention(
       tokamax's CP path and raises NotImplementedError for its limits.
 
   Returns:
-    (o [B, T, H, V] in q.dtype, final_state float32 or None).
+    (o [B, T, H, V] in q.dtype, final_state or None).
 
   Raises:
     ValueError: bad input (the message names the argument).

@@ -4,10 +4,13 @@ Every backend takes the op's full keyword set (see `api.kimi_delta_attention`)
 and returns `(o, final_state)`. The two XLA backends first bring the inputs to
 one canonical form with `prepare`:
 
-* q (times `scale`), k and g in float32, gates activated, q/k L2-normalised;
+* q (times `scale`), k, v, g and beta in the compute dtype (`compute_dtype`:
+  float32, or float64 when an input is float64), gates activated, q/k
+  L2-normalised;
 * `segment_ids` always present ([B, T] int32, 1-indexed, 0 = padding): a call
   without segments is one segment per row;
-* `initial_state` always present as [B, N, H, K, V] float32 (zeros by default).
+* `initial_state` always present as [B, N, H, K, V] in the compute dtype
+  (zeros by default).
 
 Segment semantics (all backends): a token whose segment id differs from the id
 of the previous non-padding token of its row starts a new run of that segment,
@@ -24,49 +27,70 @@ import jax.numpy as jnp
 from linear_attention.ops.kda import gates
 
 
+def compute_dtype(*arrays) -> jnp.dtype:
+  """The dtype the XLA backends compute and accumulate in.
+
+  float32 is the floor (bf16 and f16 inputs compute in float32); float64
+  when any floating input is float64 (needs `jax_enable_x64`). Integer
+  arrays and None are ignored.
+  """
+  dtype = jnp.dtype(jnp.float32)
+  for x in arrays:
+    if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      dtype = jnp.promote_types(dtype, jnp.result_type(x))
+  return dtype
+
+
 class Canonical(NamedTuple):
-  q: jax.Array  # [B, T, H, K] f32, scaled (and normalised when asked)
-  k: jax.Array  # [B, T, H, K] f32
-  v: jax.Array  # [B, T, H, V] f32
-  g: jax.Array  # [B, T, H, K] f32 log decay (<= 0)
-  beta: jax.Array  # [B, T, H] f32
+  q: jax.Array  # [B, T, H, K] compute dtype, scaled (normalised when asked)
+  k: jax.Array  # [B, T, H, K]
+  v: jax.Array  # [B, T, H, V]
+  g: jax.Array  # [B, T, H, K] log decay (<= 0)
+  beta: jax.Array  # [B, T, H]
   segment_ids: jax.Array  # [B, T] int32
-  initial_state: jax.Array  # [B, N, H, K, V] f32
+  initial_state: jax.Array  # [B, N, H, K, V]
   has_segments: bool
 
 
 def prepare(
     q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
     use_gate_in_kernel, use_qk_l2norm, initial_state, segment_ids,
-    max_num_segments,
+    max_num_segments, dtype=None,
 ) -> Canonical:
-  """Validated inputs -> the canonical float32 form described above."""
+  """Validated inputs -> the canonical form described above.
+
+  `dtype` overrides the compute dtype (a caller that prepares slices passes
+  the dtype of the whole call).
+  """
+  if dtype is None:
+    dtype = compute_dtype(q, k, v, g, beta, initial_state)
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   if use_qk_l2norm:
-    q, k = gates.l2_normalize(q), gates.l2_normalize(k)
-  q = q.astype(jnp.float32) * scale
-  k = k.astype(jnp.float32)
+    q = gates.l2_normalize(q, dtype=dtype)
+    k = gates.l2_normalize(k, dtype=dtype)
+  q = jnp.asarray(q, dtype) * scale
+  k = jnp.asarray(k, dtype)
   if use_gate_in_kernel:
-    g = gates.kda_log_decay(g, a_log, dt_bias, lower_bound)
-  g = g.astype(jnp.float32)
+    g = gates.kda_log_decay(g, a_log, dt_bias, lower_bound, dtype=dtype)
+  g = jnp.asarray(g, dtype)
   has_segments = segment_ids is not None
   if has_segments:
     # Without states, every segment starts from zero: one slot serves all.
     n = max_num_segments if max_num_segments is not None else 1
-    segment_ids = segment_ids.astype(jnp.int32)
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
   else:
     n = 1
     segment_ids = jnp.ones((b, t), jnp.int32)
   if initial_state is None:
-    initial_state = jnp.zeros((b, n, h, kd, vd), jnp.float32)
+    initial_state = jnp.zeros((b, n, h, kd, vd), dtype)
   else:
-    initial_state = initial_state.astype(jnp.float32)
+    initial_state = jnp.asarray(initial_state, dtype)
     if not has_segments:
       initial_state = initial_state[:, None]
   return Canonical(
-      q=q, k=k, v=v.astype(jnp.float32), g=g,
-      beta=beta.astype(jnp.float32), segment_ids=segment_ids,
+      q=q, k=k, v=jnp.asarray(v, dtype), g=g,
+      beta=jnp.asarray(beta, dtype), segment_ids=segment_ids,
       initial_state=initial_state, has_segments=has_segments)
 
 

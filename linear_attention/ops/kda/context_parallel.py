@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from linear_attention.ops import context_axis as axes
+from linear_attention.ops.kda import common
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -113,7 +114,7 @@ def kda_context_parallel(
   num_ranks = axes.axis_size(context_axis)
   b, t, h, kd = q.shape
   vd = v.shape[-1]
-  f32 = jnp.float32
+  dtype = common.compute_dtype(q, k, v, g, beta, initial_state)
   has_segments = segment_ids is not None
   ids = (segment_ids.astype(jnp.int32) if has_segments
          else jnp.ones((b, t), jnp.int32))
@@ -126,15 +127,15 @@ def kda_context_parallel(
     # Only run boundaries matter (every state starts at zero): label runs
     # 1, 2, 1, 2, ... so that no bound on the ids is needed.
     n_user = 2
-    base = jnp.zeros((b, n_user, h, kd, vd), f32)
+    base = jnp.zeros((b, n_user, h, kd, vd), dtype)
     user_init = None
     labels = jnp.where(valid, 1 + run_index % 2, 0)
   else:
     if initial_state is None:
       n_user = max_num_segments if has_segments else 1
-      user_init = jnp.zeros((b, n_user, h, kd, vd), f32)
+      user_init = jnp.zeros((b, n_user, h, kd, vd), dtype)
     else:
-      user_init = initial_state.astype(f32)
+      user_init = jnp.asarray(initial_state, dtype)
       if not has_segments:
         user_init = user_init[:, None]
       n_user = user_init.shape[1]
@@ -146,7 +147,7 @@ def kda_context_parallel(
 
   def init_of(seg_id):  # the user's initial state of segment seg_id, [B,H,K,V]
     if user_init is None:
-      return jnp.zeros((b, h, kd, vd), f32)
+      return jnp.zeros((b, h, kd, vd), dtype)
     return _pick(user_init, seg_id - 1)
 
   local = dict(scale=scale, a_log=a_log, dt_bias=dt_bias,
@@ -155,10 +156,10 @@ def kda_context_parallel(
                max_num_segments=n_slots)
 
   # 1. End state of the shard's last run, affine in the incoming state.
-  eye = jnp.broadcast_to(jnp.eye(kd, dtype=f32), (b, 1, h, kd, kd))
+  eye = jnp.broadcast_to(jnp.eye(kd, dtype=dtype), (b, 1, h, kd, kd))
   init1 = jnp.concatenate([
-      jnp.concatenate([base, jnp.zeros((b, n_user, h, kd, kd), f32)], -1),
-      jnp.concatenate([jnp.zeros((b, 1, h, kd, vd), f32), eye], -1),
+      jnp.concatenate([base, jnp.zeros((b, n_user, h, kd, kd), dtype)], -1),
+      jnp.concatenate([jnp.zeros((b, 1, h, kd, vd), dtype), eye], -1),
   ], axis=1)
   v_aug = jnp.concatenate([v, jnp.zeros((b, t, h, kd), v.dtype)], axis=-1)
   _, end1 = local_fn(
@@ -175,7 +176,7 @@ def kda_context_parallel(
 
   # 3. Compose over the ranks before this one.
   rank = jax.lax.axis_index(context_axis)
-  carry = jnp.zeros((b, h, kd, vd), f32)
+  carry = jnp.zeros((b, h, kd, vd), dtype)
   carry_id = jnp.zeros((b,), jnp.int32)
   x_in, id_in = carry, carry_id
   for j in range(num_ranks - 1):

@@ -47,7 +47,7 @@ lower-bound gate); otherwise a runtime branch uses the exact masked exponent
 on [16, 16, K]. A 16-token chunk is a single block. Range sums are matmuls
 with 0/1 matrices (`linalg.range_sums`); the UT transform is a blocked forward
 substitution on 16 x 16 blocks (`linalg.ut_solve`). Accumulation is float32
-throughout.
+throughout (float64 for float64 inputs: `common.compute_dtype`).
 
 Gradients. Range sums, the UT solve (its VJP is a back substitution) and the
 matmuls whose autodiff form is slow on CPU have custom VJPs (closed forms; a
@@ -84,10 +84,12 @@ def kda_chunked(
     output_final_state=False, segment_ids=None, max_num_segments=None,
 ):
   """See `linear_attention.ops.kimi_delta_attention` for the arguments."""
+  dtype = common.compute_dtype(q, k, v, g, beta, initial_state)
   prep = functools.partial(
       common.prepare, scale=scale, a_log=a_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-      use_qk_l2norm=use_qk_l2norm, max_num_segments=max_num_segments)
+      use_qk_l2norm=use_qk_l2norm, max_num_segments=max_num_segments,
+      dtype=dtype)
   chunk = backends.chunk_size()
   block = intra.block_size(lower_bound, use_gate_in_kernel, chunk)
   has_segments = segment_ids is not None
@@ -100,8 +102,8 @@ def kda_chunked(
         output_final_state=output_final_state, block=block, chunk=chunk)
   else:
     b, _, h, kd = q.shape
-    init = (jnp.zeros((b, h, kd, v.shape[-1]), jnp.float32)
-            if initial_state is None else initial_state.astype(jnp.float32))
+    init = (jnp.zeros((b, h, kd, v.shape[-1]), dtype)
+            if initial_state is None else jnp.asarray(initial_state, dtype))
     # Tokens are prepared group by group, inside the grouped scan.
     per_token = functools.partial(prep, initial_state=None, segment_ids=None)
     o, final = grouped.grouped_core(q, k, v, g, beta, init, prep=per_token,

@@ -31,11 +31,11 @@ def group_size(num_chunks, batch_heads, head_dim, chunk=64):
 
 
 def grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
-  """Raw inputs without segments -> (o [B,T,H,V] f32, finals [B,1,H,K,V]).
+  """Raw inputs without segments -> (o [B,T,H,V], finals [B,1,H,K,V]).
 
   The same chunk math as `segmented.chunked_core`, computed group by group: a
   `lax.scan` over groups of `group_size` chunks (all heads and rows of the
-  batch) carries the state [B * H, K, V] (`init` [B, H, K, V] float32).
+  batch) carries the state [B * H, K, V] (`init` [B, H, K, V] in the compute dtype).
   Inside a step, the group's tokens are prepared (`prep`: `common.prepare`
   on a slice; gates, L2 norm, casts), cut into chunks, their intra-chunk work
   is batched, the group's chunks update the state one after another

@@ -33,7 +33,7 @@ def runs(segment_ids):
 
 def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
                   output_final_state, block, chunk):
-  """Canonical float32 inputs with segments -> (o, finals [B,N,H,K,V]).
+  """Canonical inputs with segments -> (o, finals [B,N,H,K,V]).
 
   All chunks at once: the intra-chunk work is batched over every chunk, the
   affine maps are scanned (resetting where a segment starts), then the
@@ -89,15 +89,15 @@ def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
   xs = [jnp.moveaxis(trans, 1, 0), jnp.moveaxis(bias, 1, 0),
         jnp.moveaxis(last_cont, 1, 0),
         jnp.moveaxis(init_last, 1, 0) if init_given
-        else jnp.zeros((nc,), jnp.float32)]
-  carry0 = jnp.zeros((b, h, kd, vd), jnp.float32)
+        else jnp.zeros((nc,), q.dtype)]
+  carry0 = jnp.zeros((b, h, kd, vd), q.dtype)
   # carried[:, n]: the state entering chunk n (the end state of chunk n - 1).
   carry0 = common.vary_like(carry0, xs, init)
   _, carried = jax.lax.scan(step, carry0, xs)
   carried = jnp.moveaxis(carried, 0, 1)  # [B, NC, H, K, V]
 
   w_x, q_x = linalg.mm(w, carried), linalg.mm(q_dec, carried)
-  cont_f = cont[..., None].astype(jnp.float32)
+  cont_f = cont[..., None].astype(q.dtype)
   w_x, q_x = w_x * cont_f, q_x * cont_f
   if init_given:
     # Tokens of runs that start inside the chunk read their own segment's
