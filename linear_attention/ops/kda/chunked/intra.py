@@ -61,10 +61,13 @@ def intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
       G_i - G_j = incl[i] + (sum of the whole blocks between m and n) + after[j]
 
   Inside a block, when every |incl| <= 80 (always under a lower-bound gate:
-  S * |bound|), the pair factors as exp(incl[i]) exp(-incl[j]), both finite
-  in float32. So the rows of block n are (q | k) * exp(incl), and its columns
-  are k_j * exp(between + after[j]) left of the block and k_j * exp(-incl[j])
-  inside it: all scores of block n are one [2S, K] x [K, C] matmul, batched
+  S * |bound|), the pair factors as exp(incl[i] - h) exp(h - incl[j]) with
+  h = tot / 2 the middle of the block's range, both factors within exp(+-40)
+  (so neither overflows, nor turns a small q or k entry subnormal, which
+  XLA:CPU flushes to zero). So the rows of block n are
+  (q | k) * exp(incl - h_n), and its columns are
+  k_j * exp(h_n + between + after[j]) left of the block and
+  k_j * exp(h_n - incl[j]) inside it: all scores of block n are one [2S, K] x [K, C] matmul, batched
   over blocks and chunks (the [NB, C, K] column tensor is the only copy).
   When the decays are unbounded (pre-activated or softplus gates) and some
   |incl| > 80, a runtime branch computes the diagonal blocks with the exact
@@ -89,14 +92,25 @@ def intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
   after = linalg.range_sums(g, sub, lambda i, j: j > i)
   tot = incl[..., sub - 1::sub, :]  # [..., NB, K] whole-block sums
 
-  row = jnp.exp(incl)
-  q_row, k_row = q * row, k * row
-  rows = jnp.concatenate([blocks(q_row), blocks(k_row)], axis=-2)  # 2S rows
+  # Centred factors: rows exp(incl - half), diagonal-block columns
+  # exp(half - incl), half = tot / 2 the middle of the block's range, so both
+  # stay within exp(+-40) and a small q or k entry times its factor stays a
+  # normal float (XLA:CPU flushes subnormals to zero; uncentred, exp(-80)
+  # times an entry below 6.5e-4 is subnormal and the score loses it).
+  # (Blocks spanning more than 80 take the exact branch below; there the
+  # clamp keeps every row factor <= exp(40).)
+  half = jnp.maximum(0.5 * tot, -0.5 * FACTOR_LIMIT)  # [..., NB, K]
+  centred = (blocks(incl) - half[..., None, :]).reshape(incl.shape)
+  row = jnp.exp(centred)
+  rows = jnp.concatenate([blocks(q * row), blocks(k * row)], axis=-2)  # 2S
   col = jnp.exp(after)
   if nb > 1:  # columns of earlier blocks, as seen from each row block
     bi = jnp.arange(nb)
     between = linalg.block_sums(tot, lambda n, m, l: (m < l) & (l < n))
-    mid = linalg.exp_masked(between, (bi[:, None] > bi[None, :])[..., None])
+    # Row block n's factors carry exp(-half_n): its columns take exp(+half_n)
+    # (an exponent <= 0, like `between`).
+    mid = linalg.exp_masked(between + half[..., :, None, :],
+                            (bi[:, None] > bi[None, :])[..., None])
     earlier = mid[..., :, :, None, :] * blocks(k * col)[..., None, :, :, :]
     on_diag = (bi[:, None] == bi[None, :])[:, :, None, None]
 
@@ -110,7 +124,7 @@ def intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
             a[..., sub:, :].reshape(batch + (c, c)))
 
   def factored(_):
-    return scores(blocks(k * jnp.exp(-incl)))  # <= exp(80)
+    return scores(blocks(k * jnp.exp(-centred)))  # <= exp(40)
 
   def exact(_):
     a_qk, a_kk = scores(jnp.zeros(batch + (nb, sub, kd), k.dtype))
@@ -157,10 +171,10 @@ def intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
     to_end = jnp.where(in_last, to_end, 0.0)
   else:
     G = None
-    read = row
+    read = jnp.exp(incl)
     if nb > 1:
       prefix = linalg.block_sums(tot, lambda n, m, l: l < n)[..., 0, :]
-      read = (blocks(row) * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
+      read = (blocks(read) * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
     total = jnp.exp(jnp.sum(tot, axis=-2))
   return ChunkDecays(read=read, to_end=to_end, total=total, a_kk=a_kk,
                      a_qk=a_qk, G=G)
