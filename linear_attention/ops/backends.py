@@ -45,8 +45,11 @@ def _log_once(key: tuple, msg: str, *args) -> None:
 
 
 def tpu_generation(device_kind: str) -> int | None:
-  """The TPU generation in a device kind ("TPU v6 lite" -> 6), else None."""
-  match = re.match(r"TPU v(\d+)", device_kind)
+  """The TPU generation in a device kind, else None.
+
+  "TPU v5p" -> 5, "TPU v6 lite" -> 6, "TPU7x" (Ironwood) -> 7.
+  """
+  match = re.match(r"TPU ?v?(\d+)", device_kind)
   return int(match.group(1)) if match else None
 
 

@@ -29,6 +29,7 @@ def shard_loss_fn(
     context_axis: str | None = "context",
     *,
     has_aux: bool = False,
+    check_vma: bool = True,
 ) -> Callable[[Any, Any], Any]:
   """Wraps a shard loss as the global mean loss over a data x context mesh.
 
@@ -42,6 +43,10 @@ def shard_loss_fn(
     data_axis: mesh axis the batch (dim 0) is split over, or None.
     context_axis: mesh axis the sequence (dim 1) is split over, or None.
     has_aux: whether `loss_fn` also returns `aux_sums`.
+    check_vma: `jax.shard_map`'s type checking of values varying over mesh
+      axes. Keep True; pass False when `loss_fn` calls kernels that cannot
+      be traced under it (tokamax's Pallas kernels: KDA `backend="mosaic"`).
+      Values and gradients are the same either way.
 
   Returns:
     `f(params, batch) -> psum(loss_sum) / psum(weight_sum)`, a replicated
@@ -75,4 +80,4 @@ def shard_loss_fn(
 
   return jax.shard_map(
       local, mesh=mesh, in_specs=(P(), P(data_axis, context_axis)),
-      out_specs=P())
+      out_specs=P(), check_vma=check_vma)

@@ -12,7 +12,7 @@ from linear_attention.ops.backends import Backend
 
 
 @pytest.mark.parametrize("kind,expected", [
-    ("TPU v6 lite", Backend.MOSAIC), ("TPU v7", Backend.MOSAIC),
+    ("TPU v6 lite", Backend.MOSAIC), ("TPU7x", Backend.MOSAIC),
     ("TPU v5p", Backend.CHUNKED), ("TPU v4", Backend.CHUNKED),
     ("cpu", Backend.CHUNKED), ("NVIDIA H100 80GB HBM3", Backend.CHUNKED)])
 def test_auto_is_mosaic_on_tpu_v6_and_newer_only(kind, expected):
@@ -38,6 +38,8 @@ def test_bad_names_and_platform_rules():
   with pytest.raises(ValueError, match="backend must be one of"):
     backends.resolve("tpu")
   assert backends.tpu_generation("TPU v6 lite") == 6
+  assert backends.tpu_generation("TPU v5p") == 5
+  assert backends.tpu_generation("TPU7x") == 7  # Ironwood's device kind
   assert backends.tpu_generation("cpu") is None
   assert backends.chunk_size("cpu") == 16
   assert backends.chunk_size("gpu") == backends.chunk_size("tpu") == 64
