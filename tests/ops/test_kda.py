@@ -256,7 +256,8 @@ class ChunkedGroupsTest(parameterized.TestCase):
                                            (1, 16, 64), (4, 64, 16)):
         size, groups = chunked.group_size(num_chunks, batch_heads, head_dim,
                                           chunk)
-        assert size >= 1 and size * groups >= num_chunks
+        assert 1 <= size <= chunked_grouped.MAX_GROUP_CHUNKS
+        assert size * groups >= num_chunks
         # Padding the last group wastes less than one chunk per group.
         assert size * groups - num_chunks < groups, (num_chunks, size, groups)
 

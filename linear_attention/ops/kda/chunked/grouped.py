@@ -15,17 +15,23 @@ from linear_attention.ops.kda.chunked import linalg
 # of K = 64 (1024 tokens x heads), a working set of a few MiB that stays in
 # cache (see `grouped_core`); smaller chunks take as many tokens a step.
 GROUP_WIDTH = 16 * 64
+# A group's chunks are unrolled in the scan step: compile time grows with
+# their number (at B * H = 1, K = 32 on 16-token chunks the width above asks
+# for 128 chunks, and the forward alone took minutes to compile). 16 keeps
+# every shape's step as small as the benchmarked (1, 4096, 4, 64) one.
+MAX_GROUP_CHUNKS = 16
 
 
 def group_size(num_chunks, batch_heads, head_dim, chunk=64):
   """(chunks per group, groups) of the grouped scan; groups * size >= chunks.
 
   About 1024 tokens x heads at K = 64 per group (16 chunk-heads of 64
-  tokens; fewer when K is larger), sized so that padding the last group
-  wastes less than one chunk per group.
+  tokens; fewer when K is larger), at most `MAX_GROUP_CHUNKS` chunks, sized
+  so that padding the last group wastes less than one chunk per group.
   """
   width = GROUP_WIDTH * 64 // chunk  # the same tokens per step at any chunk
-  size = max(1, min(num_chunks, width // (batch_heads * head_dim)))
+  size = max(1, min(num_chunks, MAX_GROUP_CHUNKS,
+                    width // (batch_heads * head_dim)))
   groups = -(-num_chunks // size)
   return -(-num_chunks // groups), groups
 
