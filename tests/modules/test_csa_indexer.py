@@ -190,6 +190,79 @@ def test_query_from_x_and_gradients():
   assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
 
 
+@pytest.mark.parametrize("q_rank,packed", [(6, False), (None, True)])
+def test_gradients_match_float64_finite_differences_of_the_oracle(
+    q_rank, packed):
+  # Every parameter's and input's gradient (the q_rank path: q_a and its
+  # norm included), along a random direction, against a central difference
+  # of the float64 NumPy oracle: nothing of the library on the other side.
+  x, ql, kw = make(seed=6, packed=packed)
+  if q_rank is None:
+    model = forward(CFG)
+    inputs = dict(x=x, ql=ql)
+    apply = lambda p, a: model.apply(p, a["x"], a["ql"], **kw)
+  else:
+    model = forward(dict(CFG, q_rank=q_rank))
+    inputs = dict(x=x)
+    apply = lambda p, a: model.apply(p, a["x"], None, **kw)
+  params = _noisy(model.init(jax.random.key(4), x,
+                             ql if q_rank is None else None, **kw))
+  rng = np.random.default_rng(8)
+  mask = np.isfinite(np.asarray(apply(params, inputs).scores))
+  cot = np.where(mask, rng.normal(size=mask.shape), 0.0)
+
+  def loss(p, a):
+    s = apply(p, a).scores
+    return jnp.sum(jnp.where(mask, s, 0.0) * cot)
+
+  def np_loss(p, a):
+    np_p = jax.tree.map(lambda v: np.asarray(v, np.float64), p)
+    if q_rank is None:
+      ql_np = a["ql"]
+    else:
+      ql_np = np_rmsnorm(np.asarray(a["x"], np.float64) @ param(
+          np_p, "q_a", "w"), param(np_p, "q_a_norm", "scale"))
+    np_kw = {k: np.asarray(v) for k, v in kw.items()}
+    _, scores, _, m = np_indexer(np_p, a["x"], ql_np, **CFG, **np_kw)
+    return float(np.sum(np.where(m, scores, 0.0) * cot))
+
+  grads = jax.jit(jax.grad(loss, (0, 1)))(params, inputs)
+  leaves = {**{("param",) + tuple(str(k) for k in path): v for path, v in
+               jax.tree_util.tree_leaves_with_path(params)},
+            **{("input", n): v for n, v in inputs.items()}}
+  g_leaves = {**{("param",) + tuple(str(k) for k in path): v for path, v in
+                 jax.tree_util.tree_leaves_with_path(grads[0])},
+              **{("input", n): v for n, v in grads[1].items()}}
+  assert {k[0] for k in leaves} == {"param", "input"}
+  eps = 1e-6
+  for key, value in leaves.items():
+    u = rng.normal(size=value.shape)
+
+    def moved(sign):
+      shift = lambda v: np.asarray(v, np.float64) + sign * eps * u
+      if key[0] == "input":
+        return params, dict(inputs, **{key[1]: shift(inputs[key[1]])})
+      p = jax.tree_util.tree_map_with_path(
+          lambda path, v: shift(v) if ("param",) + tuple(
+              str(k) for k in path) == key else v, params)
+      return p, inputs
+
+    numeric = (np_loss(*moved(1.0)) - np_loss(*moved(-1.0))) / (2 * eps)
+    analytic = float(np.vdot(np.asarray(g_leaves[key], np.float64), u))
+    # float32 gradients summed over every entry: 1e-4 of the largest term.
+    assert abs(analytic - numeric) <= 1e-4 * max(1.0, abs(numeric)), (
+        key, analytic, numeric)
+
+
+def _noisy(params, seed=5):
+  """Initialised params plus noise (a non-zero position bias, norm scales
+  away from 1), so that every parameter matters."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [
+      p + 0.3 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+
+
 def test_bad_arguments_raise_naming_them():
   for name, over in (("num_heads", dict(num_heads=0)),
                      ("compress_rate", dict(compress_rate=0)),
