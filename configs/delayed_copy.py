@@ -15,7 +15,17 @@ on an idle 2-core CPU (results/delayed_copy/);
 
 Variants: `configs/delayed_copy.py:long` (delay 256, T=276, safe gate's
 bound -1 instead of -5; reported whatever it reaches),
-`configs/delayed_copy.py:smoke` (tiny, seconds).
+`configs/delayed_copy.py:smoke` (tiny, seconds),
+`configs/delayed_copy.py:tpu` (a TPU v6e-8 slice, 8 devices: backend
+"mosaic", whose kernel needs T to be a multiple of 64, so delay 108 and
+T = 2 * 10 + 108 = 128, with the safe gate's bound at -1 as for `long`;
+global batch 512 over a data axis of 8, 64 sequences per chip; held-out
+batches of 256). The config has no dtype field: the model computes in
+float32 as on CPU. Its learning rate and step budget are the default's, not
+yet tuned for this delay and batch. Check it lowers (no TPU needed):
+
+  python -m experiments.export_tpu --config=configs/delayed_copy.py:tpu \
+      --chip=v6e
 """
 
 import ml_collections
@@ -24,11 +34,11 @@ from configs import common as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The delayed-copy config; `arg` is None / "" (default), "long", "smoke"."""
+  """The delayed-copy config; `arg`: None / "" (default), long, smoke, tpu."""
   arg = arg or ""
-  if arg not in ("", "long", "smoke"):
-    raise ValueError("configs/delayed_copy.py variant must be '', 'long' or"
-                     f" 'smoke'; got {arg!r}.")
+  if arg not in ("", "long", "smoke", "tpu"):
+    raise ValueError("configs/delayed_copy.py variant must be '', 'long',"
+                     f" 'smoke' or 'tpu'; got {arg!r}.")
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.task = dict(
@@ -65,5 +75,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         num_steps=6, batch_size=4, warmup_steps=1, log_every=1, eval_every=2,
         eval_batches=1, eval_batch_size=4, checkpoint_every=2)
   config.mesh = config_lib.mesh_config()
+  if arg == "tpu":
+    config.task.delay = 108  # T = 2 * num_symbols + delay = 128
+    config.model.kda.lower_bound = -1.0  # hold symbols over 108+ tokens
+    config.model.kda.backend = "mosaic"
+    config.train.batch_size = 512
+    config.train.eval_batch_size = 256
+    config.train.eval_batches = 2
+    config.mesh = config_lib.mesh_config(data=8)
   config.lock()
   return config

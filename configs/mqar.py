@@ -35,7 +35,19 @@ Why these layer settings (probes on this task, batch 32, lr 1e-2, seed 0):
   0.9 steps/s.
 
 Variants: `configs/mqar.py:smoke` (T=64, 4 pairs, tiny model, a few steps:
-runs in seconds, for tests).
+runs in seconds, for tests); `configs/mqar.py:tpu`, the same task and model
+for a TPU v6e-8 slice (8 devices): backend "mosaic" (tokamax's Pallas kernel,
+TPU v6+; T=256 is a multiple of its 64-token chunk), global batch 256 split
+over a data axis of 8 (32 sequences per chip), held-out batches of 256. The
+config has no dtype field: the model computes in float32 as on CPU. Check it
+lowers before paying for a TPU (no TPU needed):
+
+  python -m experiments.export_tpu --config=configs/mqar.py:tpu --chip=v6e
+
+On 4 devices (a v5p-8) override `--config.mesh.data=4`; tokamax's kernel
+does not run on v5p, so there also `--config.model.kda.backend=chunked`.
+Its learning rate and step budget are the default's, not yet tuned for the
+8x larger batch.
 """
 
 import ml_collections
@@ -44,11 +56,11 @@ from configs import common as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The MQAR config; `arg` is None / "" (default) or "smoke"."""
+  """The MQAR config; `arg` is None / "" (default), "smoke" or "tpu"."""
   arg = arg or ""
-  if arg not in ("", "smoke"):
-    raise ValueError(f"configs/mqar.py variant must be '' or 'smoke'; got"
-                     f" {arg!r}.")
+  if arg not in ("", "smoke", "tpu"):
+    raise ValueError("configs/mqar.py variant must be '', 'smoke' or 'tpu';"
+                     f" got {arg!r}.")
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.task = dict(
@@ -79,5 +91,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         num_steps=6, batch_size=4, warmup_steps=1, log_every=1, eval_every=2,
         eval_batches=1, eval_batch_size=4, checkpoint_every=2)
   config.mesh = config_lib.mesh_config()
+  if arg == "tpu":
+    config.model.kda.backend = "mosaic"
+    config.train.batch_size = 256
+    config.train.eval_batch_size = 256
+    config.mesh = config_lib.mesh_config(data=8)
   config.lock()
   return config
