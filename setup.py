@@ -31,6 +31,8 @@ setuptools.setup(
         "matplotlib>=3.9",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "pytest-xdist>=3.6"],
+        "test": ["pytest>=8.0", "pytest-xdist>=3.6", "hypothesis>=6.100"],
+        # On a TPU VM: pip install -e '.[tpu]' (jax's TPU runtime, libtpu).
+        "tpu": ["jax[tpu]>=0.12.0,<0.13"],
     },
 )
