@@ -97,6 +97,7 @@ from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda.chunked import grouped as chunked_grouped
 from tests import kda_oracle
 from tests.kda_oracle import kda_numpy
+from tests.ops.test_kda import loss_and_grads
 
 PROFILE_ENV = "LINEAR_ATTENTION_HYPOTHESIS_PROFILE"
 MAX_EXAMPLES_ENV = "LINEAR_ATTENTION_HYPOTHESIS_MAX_EXAMPLES"
@@ -131,7 +132,6 @@ RTOL = testing.RTOL[np.dtype("float32")]  # 1e-5 relative L2
 # Gradients of a smaller RMS are compared in absolute terms (RMS error up to
 # RTOL * GRAD_FLOOR = 1e-7; see `assert_grad_close`).
 GRAD_FLOOR = 1e-2
-GRAD_ARGS = ("q", "k", "v", "g", "beta", "a_log", "dt_bias", "initial_state")
 GATES = ("preactivated", "softplus", "lower_bound")
 
 
@@ -268,32 +268,6 @@ def make_inputs(ex: Example):
              + (ex.h, ex.k, ex.v))
     args["initial_state"] = normal(*shape) * 0.5
   return {n: jnp.asarray(x) for n, x in args.items()}, kw
-
-
-def loss_and_grads(args, kw, backend, seed):
-  """Output, final state and the gradients of a random-cotangent loss."""
-  names = [n for n in GRAD_ARGS if n in args]
-
-  def run(*diff):
-    full = dict(args, **dict(zip(names, diff)))
-    return ops.kimi_delta_attention(
-        full["q"], full["k"], full["v"], full["g"], full["beta"],
-        a_log=full.get("a_log"), dt_bias=full.get("dt_bias"),
-        initial_state=full.get("initial_state"), output_final_state=True,
-        backend=backend, **kw)
-
-  o, state = run(*[args[n] for n in names])
-  rng = np.random.default_rng(seed)
-  do = jnp.asarray(rng.normal(size=o.shape), jnp.float32)
-  ds = jnp.asarray(rng.normal(size=state.shape), jnp.float32)
-
-  def loss(*diff):
-    o, s = run(*diff)
-    return jnp.sum(o * do) + jnp.sum(s * ds)
-
-  grads = jax.grad(loss, argnums=tuple(range(len(names))))(
-      *[args[n] for n in names])
-  return o, state, dict(zip(names, grads))
 
 
 def run_xla_backend(ex: Example, args, kw, backend):
