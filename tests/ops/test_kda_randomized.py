@@ -103,7 +103,7 @@ PROFILE_ENV = "LINEAR_ATTENTION_HYPOTHESIS_PROFILE"
 MAX_EXAMPLES_ENV = "LINEAR_ATTENTION_HYPOTHESIS_MAX_EXAMPLES"
 _COMMON = dict(
     deadline=None,  # every example compiles new shapes (seconds each)
-    database=None,  # no example database (hypothesis still caches in .hypothesis/, which git ignores)
+    database=None,  # no example database (hypothesis still caches in .hypothesis/, which holds its own .gitignore)
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # CI: the same few examples on every run, and no shrinking (a shrink
