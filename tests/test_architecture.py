@@ -11,7 +11,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("configs", "experiments", "linear_attention", "benchmarks")
-CLIS = ("run_experiment", "experiments.ablate", "experiments.sweep")
+CLIS = ("run_experiment", "experiments.ablate", "experiments.sweep",
+        "experiments.export_tpu")
 
 # What each layer may import from the project (a prefix match on module
 # names); third-party packages are free except where `FORBIDDEN` says.
