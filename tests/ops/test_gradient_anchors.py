@@ -156,7 +156,16 @@ def test_kda_gradients_match_finite_differences(case, backend, chunk):
 # engine): the cheapest to compile, reference, takes the 4-rank case.
 @pytest.mark.parametrize("backend,num_ranks,gate", [
     ("reference", 4, "lower_bound"),
-    pytest.param("chunked", 2, "softplus", marks=pytest.mark.slow)])
+    pytest.param("chunked", 2, "softplus", marks=[
+        pytest.mark.slow,
+        # A bug this test found, not yet fixed: under shard_map's
+        # check_vma=True the backward of chunked's custom-VJP matmuls
+        # (linalg.mm_nt) returns a mesh-varying cotangent for the replicated
+        # initial state, and tracing the gradient fails. Strict: a fix makes
+        # this fail here; then remove the mark.
+        pytest.mark.xfail(strict=True, raises=ValueError,
+                          reason="chunked CP backward with initial states"
+                          " under check_vma (open bug)")])])
 def test_context_parallel_gradients_match_finite_differences(
     backend, num_ranks, gate):
   args, kw = cp_tests.make_case(gate)  # packed documents across ranks
