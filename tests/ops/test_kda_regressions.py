@@ -26,11 +26,11 @@ from linear_attention.modules import KimiDeltaAttention
 from linear_attention.modules import kda as kda_module
 from linear_attention.ops import backends
 from tests.kda_oracle import kda_numpy
+from tests.ops.test_kda import loss_and_grads
 from tests.parallel import common as cp_common
 
 F32 = testing.RTOL[np.dtype("float32")]
 BF16 = testing.RTOL[np.dtype("bfloat16")]
-DIFF = ("q", "k", "v", "g", "beta", "a_log", "dt_bias", "initial_state")
 
 
 def inputs(b, t, h, kd, vd, seed=0, dtype=np.float32):
@@ -43,24 +43,7 @@ def inputs(b, t, h, kd, vd, seed=0, dtype=np.float32):
 
 def run(args, kw, backend):
   """(o, final state, grads of a random-cotangent loss), jitted."""
-  def op(a):
-    return ops.kimi_delta_attention(
-        a["q"], a["k"], a["v"], a["g"], a["beta"], a_log=a.get("a_log"),
-        dt_bias=a.get("dt_bias"), initial_state=a.get("initial_state"),
-        output_final_state=True, backend=backend, **kw)
-
-  o, s = jax.jit(op)(args)
-  rng = np.random.default_rng(9)
-  do = jnp.asarray(rng.normal(size=o.shape), jnp.float32)
-  ds = jnp.asarray(rng.normal(size=s.shape), jnp.float32)
-
-  def loss(a):
-    o, s = op(a)
-    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * ds)
-
-  diff = {n: args[n] for n in DIFF if n in args}
-  grads = jax.jit(jax.grad(lambda d: loss(dict(args, **d))))(diff)
-  return o, s, grads
+  return jax.jit(lambda a: loss_and_grads(a, kw, backend, seed=9))(args)
 
 
 def check(args, kw, *, chunk, rtol=F32, oracle=True):
