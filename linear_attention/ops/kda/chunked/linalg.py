@@ -6,9 +6,13 @@ lower-triangular solve of the UT transform on 16 x 16 blocks (`ut_solve`, its
 VJP a back substitution). See `chunked/__init__.py` for the algebra.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from linear_attention.ops.kda import common
 
 
 SUB = 16  # block size when the decays are unbounded (or bounded below -5)
@@ -66,14 +70,32 @@ def transposed(x):
   return jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2))
 
 
+def _same_vma(f):
+  """Calls f with its array arguments cast to the same mesh variance.
+
+  Under `shard_map` (check_vma=True) a custom VJP's cotangents must have the
+  variance of their primal inputs; with one input mesh-invariant (a constant,
+  a replicated state) and the other varying, the closed-form cotangent of the
+  invariant one would vary. Casting first lets autodiff transpose the cast
+  (a psum) outside the custom rule. A no-op outside `shard_map`.
+  """
+  @functools.wraps(f)
+  def call(*args):
+    return f(*common.vary_like(args, *args))
+  return call
+
+
 @jax.custom_vjp
-def mm(a, b):
+def _mm(a, b):
   """a @ b for [..., M, K] x [..., K, N] with equal batch axes.
 
   Its VJP computes a^T g from a materialised a^T: autodiff's form contracts
   over a's major axis, which XLA:CPU sends to a dot path ~2x slower.
   """
   return a @ b
+
+
+mm = _same_vma(_mm)
 
 
 def _mm_fwd(a, b):
@@ -85,17 +107,20 @@ def _mm_bwd(res, g):
   return mm_nt(g, b), transposed(a) @ g
 
 
-mm.defvjp(_mm_fwd, _mm_bwd)
+_mm.defvjp(_mm_fwd, _mm_bwd)
 
 
 @jax.custom_vjp
-def mm_nt(a, b):
+def _mm_nt(a, b):
   """a @ b^T for [..., M, K] x [..., N, K] with equal batch axes (see `mm`)."""
   return jnp.einsum("...ik,...jk->...ij", a, b)
 
 
+mm_nt = _same_vma(_mm_nt)
+
+
 def _mm_nt_fwd(a, b):
-  return mm_nt(a, b), (a, b)
+  return _mm_nt(a, b), (a, b)
 
 
 def _mm_nt_bwd(res, g):
@@ -103,7 +128,7 @@ def _mm_nt_bwd(res, g):
   return g @ b, transposed(g) @ a
 
 
-mm_nt.defvjp(_mm_nt_fwd, _mm_nt_bwd)
+_mm_nt.defvjp(_mm_nt_fwd, _mm_nt_bwd)
 
 
 def exp_masked(x, mask):
@@ -172,7 +197,7 @@ def unit_triangular_solve(blk, rhs, lower):
 
 
 @jax.custom_vjp
-def ut_solve(a, rhs):
+def _ut_solve(a, rhs):
   """(I + A)^-1 rhs for A [..., C, C] strictly lower, rhs [..., C, N].
 
   Blocked forward substitution on 16 x 16 blocks. The VJP is the closed form
@@ -182,8 +207,11 @@ def ut_solve(a, rhs):
   return unit_triangular_solve(to_blocks(a, SUB), rhs, lower=True)
 
 
+ut_solve = _same_vma(_ut_solve)
+
+
 def _ut_solve_fwd(a, rhs):
-  out = ut_solve(a, rhs)
+  out = _ut_solve(a, rhs)
   return out, (a, out)
 
 
@@ -197,4 +225,4 @@ def _ut_solve_bwd(res, g):
 
 
 
-ut_solve.defvjp(_ut_solve_fwd, _ut_solve_bwd)
+_ut_solve.defvjp(_ut_solve_fwd, _ut_solve_bwd)
