@@ -32,6 +32,10 @@ def kda_config() -> ml_collections.ConfigDict:
       use_output_gate=True,
       # A mesh axis name when called inside shard_map with T split over it.
       context_axis=config_dict.placeholder(str),
+      # Value heads (grouped value heads), a multiple of num_heads; None: H.
+      num_v_heads=config_dict.placeholder(int),
+      # beta = 2 sigmoid(.): transition eigenvalues in (-1, 1] (parity task).
+      allow_neg_eigval=False,
   ))
   config.lock()
   return config

@@ -5,7 +5,9 @@ Kimi Linear (arXiv 2510.26692) Eq. 1:
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
     o_t = S_t^T (scale q_t)
 with the op's segment rules (a new run of segment n starts from its initial
-state; padding (id 0) is a no-op with zero output).
+state; padding (id 0) is a no-op with zero output). Grouped value heads: v,
+g, beta and the states have HV heads, value head j reading q/k head
+j // (HV / H).
 """
 
 import numpy as np
@@ -21,13 +23,20 @@ def sigmoid(x):
 
 def kda_numpy(q, k, v, g, beta, *, scale=None, a_log=None, dt_bias=None,
               lower_bound=None, use_gate_in_kernel=False, use_qk_l2norm=False,
-              initial_state=None, segment_ids=None, max_num_segments=None):
-  """Returns (o [B,T,H,V], final [B,H,K,V] or [B,N,H,K,V]) in float64."""
+              initial_state=None, segment_ids=None, max_num_segments=None,
+              allow_neg_eigval=False):
+  """Returns (o [B,T,HV,V], final [B,HV,K,V] or [B,N,HV,K,V]) in float64.
+
+  allow_neg_eigval only widens the op's accepted beta; the recurrence is the
+  same for any beta.
+  """
+  del allow_neg_eigval
   f = lambda x: None if x is None else np.asarray(x, np.float64)
   q, k, v, g, beta = map(f, (q, k, v, g, beta))
   a_log, dt_bias, initial_state = map(f, (a_log, dt_bias, initial_state))
-  b, t, h, kd = q.shape
-  vd = v.shape[-1]
+  b, t, hq, kd = q.shape
+  h, vd = v.shape[-2:]  # value heads
+  group = h // hq
   scale = kd ** -0.5 if scale is None else scale
   if use_qk_l2norm:
     q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
@@ -60,9 +69,9 @@ def kda_numpy(q, k, v, g, beta, *, scale=None, a_log=None, dt_bias=None,
         last = s_id
       for hi in range(h):
         st = np.exp(g[bi, ti, hi])[:, None] * state[hi]
-        kt = k[bi, ti, hi]
+        kt = k[bi, ti, hi // group]
         st = st + beta[bi, ti, hi] * np.outer(kt, v[bi, ti, hi] - kt @ st)
         state[hi] = st
-        o[bi, ti, hi] = st.T @ (scale * q[bi, ti, hi])
+        o[bi, ti, hi] = st.T @ (scale * q[bi, ti, hi // group])
       finals[bi, s_id - 1] = state
   return o, (finals if segmented else finals[:, 0])

@@ -4,7 +4,8 @@ Kimi Linear (arXiv 2510.26692, §4; fla `fla/layers/kda.py`). For x [B, T, D]:
 
     q, k, v = SiLU(ShortConv(x W_q)), SiLU(ShortConv(x W_k)), SiLU(ShortConv(x W_v))
     g_raw   = (x W_f_down) W_f_up                 low rank, rank = head_dim
-    beta    = sigmoid(x W_b)                      one per head
+    beta    = sigmoid(x W_b)                      one per value head
+              (2 sigmoid(x W_b) with allow_neg_eigval)
     o, S    = KDA(l2norm(q), l2norm(k), v, g_raw, beta; a_log, dt_bias)
     y       = (RMSNorm_head(o) * sigmoid((x W_g_down) W_g_up)) W_o
 
@@ -13,8 +14,11 @@ with `lower_bound`, g = lower_bound * sigmoid(exp(a_log) * (g_raw + dt_bias)),
 and per head S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} +
 beta_t k_t v_t^T, o_t = S_t^T (K^-1/2 q_t).
 
-Glossary of shapes: B batch, T time, D model width (from the input), H heads,
-K = head_dim, V = head_dim * expand_v, W = conv_size.
+Glossary of shapes: B batch, T time, D model width (from the input), H heads
+of q and k, HV = num_v_heads value heads (default H; a multiple of H, value
+head j reading q/k head j // (HV / H)), K = head_dim, V = head_dim *
+expand_v, W = conv_size. The gate, beta, the state and the output norm and
+gate are per value head, as in flash-linear-attention's `num_v_heads`.
 
 Choices written down here:
 * Projections are bias-free, weights N(0, 0.02) (`hk.initializers.
@@ -25,9 +29,13 @@ Choices written down here:
 * a_log [H] = log U(1, 16) for the softplus gate, zeros with `lower_bound`;
   dt = exp(U(log 1e-3, log 1e-1)) clamped >= 1e-4, dt_bias = dt +
   log(-expm1(-dt)) (the inverse softplus of dt).
-* decay="head" is Gated DeltaNet's gate: one full-rank projection D -> H
-  (`f_proj`, like GDN's `a_proj`), a_log [H], dt_bias [H], broadcast over K
+* decay="head" is Gated DeltaNet's gate: one full-rank projection D -> HV
+  (`f_proj`, like GDN's `a_proj`), a_log [HV], dt_bias [HV], broadcast over K
   inside the layer before the op.
+* allow_neg_eigval=True (Grazzi et al., arXiv 2411.12537) doubles beta, so
+  the transition I - beta k k^T has eigenvalues in (-1, 1]: what lets a
+  linear recurrence track state such as parity (`experiments/tasks/
+  parity.py`).
 * Decoding with backend="mosaic": pieces whose T is not a multiple of 64
   (decode steps) run on "chunked" (logged once); the kernel needs T % 64 == 0.
 """
@@ -61,6 +69,8 @@ def validate_kda_layer_args(
     decay: str = "channel",
     use_output_gate: bool = True,
     context_axis: str | None = None,
+    num_v_heads: int | None = None,
+    allow_neg_eigval: bool = False,
 ) -> None:
   """Raises ValueError, naming the argument, unless the layer can be built."""
   if context_axis is not None and not isinstance(context_axis, str):
@@ -89,15 +99,24 @@ def validate_kda_layer_args(
   if not isinstance(use_output_gate, bool):
     raise ValueError(
         f"use_output_gate must be a bool; got {use_output_gate!r}.")
+  if num_v_heads is not None and (
+      isinstance(num_v_heads, bool) or not isinstance(num_v_heads, int)
+      or num_v_heads < 1 or num_v_heads % num_heads):
+    raise ValueError(
+        f"num_v_heads must be None or a positive multiple of num_heads ="
+        f" {num_heads}; got {num_v_heads!r}.")
+  if not isinstance(allow_neg_eigval, bool):
+    raise ValueError(
+        f"allow_neg_eigval must be a bool; got {allow_neg_eigval!r}.")
 
 
 class KDACache(NamedTuple):
   """Decode cache of one `KimiDeltaAttention` layer (zeros = a new sequence).
 
-  q_conv, k_conv: [B, W - 1, H*K] and v_conv: [B, W - 1, H*V], the last
+  q_conv, k_conv: [B, W - 1, H*K] and v_conv: [B, W - 1, HV*V], the last
     W - 1 projected inputs of each short conv, in the activations' dtype
     (width 0 when conv_size <= 1).
-  state: [B, H, K, V] float32 recurrent state S.
+  state: [B, HV, K, V] float32 recurrent state S.
   """
   q_conv: jax.Array
   k_conv: jax.Array
@@ -107,15 +126,17 @@ class KDACache(NamedTuple):
 
 def init_kda_cache(batch_size: int, *, num_heads: int, head_dim: int,
                    expand_v: float = 1.0, conv_size: int = 4,
+                   num_v_heads: int | None = None,
                    dtype=jnp.float32) -> KDACache:
   """An all-zero `KDACache` (usable outside `hk.transform`)."""
   h, kd, vd = num_heads, head_dim, int(round(head_dim * expand_v))
+  hv = num_v_heads or h
   tail = max(conv_size - 1, 0)
   return KDACache(
       q_conv=jnp.zeros((batch_size, tail, h * kd), dtype),
       k_conv=jnp.zeros((batch_size, tail, h * kd), dtype),
-      v_conv=jnp.zeros((batch_size, tail, h * vd), dtype),
-      state=jnp.zeros((batch_size, h, kd, vd), jnp.float32))
+      v_conv=jnp.zeros((batch_size, tail, hv * vd), dtype),
+      state=jnp.zeros((batch_size, hv, kd, vd), jnp.float32))
 
 
 def _a_log_init(shape, dtype):
@@ -150,6 +171,8 @@ class KimiDeltaAttention(hk.Module):
   context_axis: str | None = None
   decay: str = "channel"  # "channel" (KDA) or "head" (Gated DeltaNet).
   use_output_gate: bool = True  # sigmoid low-rank gate on the output.
+  num_v_heads: int | None = None  # HV value heads (multiple of H); None: H.
+  allow_neg_eigval: bool = False  # beta = 2 sigmoid(.): eigenvalues (-1, 1].
   name: str | None = None  # Haiku module name.
 
   def __post_init__(self):
@@ -158,7 +181,8 @@ class KimiDeltaAttention(hk.Module):
         expand_v=self.expand_v, conv_size=self.conv_size,
         lower_bound=self.lower_bound, backend=self.backend, decay=self.decay,
         use_output_gate=self.use_output_gate,
-        context_axis=self.context_axis)
+        context_axis=self.context_axis, num_v_heads=self.num_v_heads,
+        allow_neg_eigval=self.allow_neg_eigval)
     super().__post_init__()  # hk.Module.__init__(name=self.name)
 
   @property
@@ -166,11 +190,17 @@ class KimiDeltaAttention(hk.Module):
     """V = head_dim * expand_v."""
     return int(round(self.head_dim * self.expand_v))
 
+  @property
+  def value_heads(self) -> int:
+    """HV = num_v_heads, or num_heads when unset."""
+    return self.num_v_heads or self.num_heads
+
   def init_cache(self, batch_size: int, dtype=jnp.float32) -> KDACache:
     """Zeros: the cache before the first token; dtype of the conv tails."""
     return init_kda_cache(
         batch_size, num_heads=self.num_heads, head_dim=self.head_dim,
-        expand_v=self.expand_v, conv_size=self.conv_size, dtype=dtype)
+        expand_v=self.expand_v, conv_size=self.conv_size,
+        num_v_heads=self.num_v_heads, dtype=dtype)
 
   @hk.transparent  # no extra name scope: params are `<layer>/q_proj/w`, ...
   def _linear(self, size, name):
@@ -220,6 +250,7 @@ class KimiDeltaAttention(hk.Module):
       raise ValueError(f"x must have shape [B, T, D]; got {tuple(x.shape)}.")
     b, t, d = x.shape
     h, kd, vd = self.num_heads, self.head_dim, self.value_dim
+    hv = self.value_heads
     cached = cache is not None
     if cached:
       self._check_cache(cache, b)
@@ -228,7 +259,7 @@ class KimiDeltaAttention(hk.Module):
     tails = cache[:3] if cached else (None, None, None)
 
     qkv, new_tails = [], []
-    for name, size, tail in zip("qkv", (h * kd, h * kd, h * vd), tails):
+    for name, size, tail in zip("qkv", (h * kd, h * kd, hv * vd), tails):
       y = self._linear(size, f"{name}_proj")(x)
       y = self._conv_silu(y, f"{name}_conv1d", segment_ids, tail)
       if cached:
@@ -237,23 +268,25 @@ class KimiDeltaAttention(hk.Module):
       qkv.append(y)
     q = qkv[0].reshape(b, t, h, kd)
     k = qkv[1].reshape(b, t, h, kd)
-    v = qkv[2].reshape(b, t, h, vd)
+    v = qkv[2].reshape(b, t, hv, vd)
 
     f32 = jnp.float32
     if self.decay == "channel":
-      g = self._linear(h * kd, "f_b_proj")(self._linear(kd, "f_a_proj")(x))
-      g = g.reshape(b, t, h, kd)
-      bias_shape = (h * kd,)
+      g = self._linear(hv * kd, "f_b_proj")(self._linear(kd, "f_a_proj")(x))
+      g = g.reshape(b, t, hv, kd)
+      bias_shape = (hv * kd,)
     else:  # "head": Gated DeltaNet's scalar decay, broadcast over K
-      g = self._linear(h, "f_proj")(x)
-      g = jnp.broadcast_to(g[..., None], (b, t, h, kd))
-      bias_shape = (h,)
+      g = self._linear(hv, "f_proj")(x)
+      g = jnp.broadcast_to(g[..., None], (b, t, hv, kd))
+      bias_shape = (hv,)
     a_log_init = jnp.zeros if self.lower_bound is not None else _a_log_init
-    a_log = hk.get_parameter("a_log", (h,), f32, init=a_log_init)
+    a_log = hk.get_parameter("a_log", (hv,), f32, init=a_log_init)
     dt_bias = hk.get_parameter("dt_bias", bias_shape, f32, init=_dt_bias_init)
     if self.decay == "head":
-      dt_bias = jnp.repeat(dt_bias, kd)  # [H] -> [H*K]
-    beta = jax.nn.sigmoid(self._linear(h, "b_proj")(x).astype(f32))
+      dt_bias = jnp.repeat(dt_bias, kd)  # [HV] -> [HV*K]
+    beta = jax.nn.sigmoid(self._linear(hv, "b_proj")(x).astype(f32))
+    if self.allow_neg_eigval:
+      beta = 2.0 * beta
 
     backend = backends.resolve(self.backend,
                                decode_len=t if cached else None)
@@ -274,13 +307,14 @@ class KimiDeltaAttention(hk.Module):
         lower_bound=self.lower_bound, use_gate_in_kernel=True,
         use_qk_l2norm=True, initial_state=initial_state,
         output_final_state=cached, segment_ids=segment_ids,
-        max_num_segments=max_num_segments, backend=backend,
+        max_num_segments=max_num_segments,
+        allow_neg_eigval=self.allow_neg_eigval, backend=backend,
         context_axis=self.context_axis)
-    chex.assert_shape(o, (b, t, h, vd))
+    chex.assert_shape(o, (b, t, hv, vd))
 
-    o = norms.RMSNorm(name="o_norm")(o).reshape(b, t, h * vd)
+    o = norms.RMSNorm(name="o_norm")(o).reshape(b, t, hv * vd)
     if self.use_output_gate:
-      gate = self._linear(h * vd, "g_b_proj")(self._linear(kd, "g_a_proj")(x))
+      gate = self._linear(hv * vd, "g_b_proj")(self._linear(kd, "g_a_proj")(x))
       o = o * jax.nn.sigmoid(gate.astype(f32)).astype(o.dtype)
     y = self._linear(d, "o_proj")(o).astype(x.dtype)
     chex.assert_shape(y, (b, t, d))

@@ -81,10 +81,16 @@ def _assert_tree_close(actual, expected, rtol, name):
 
 
 def tokamax_composed_layer(params, x, segment_ids=None, *, lower_bound,
-                           decay="channel"):
-  """The layer's forward from the paper, with tokamax's `xla` KDA as core."""
+                           decay="channel", num_v_heads=H,
+                           allow_neg_eigval=False):
+  """The layer's forward from the paper, with tokamax's `xla` KDA as core.
+
+  Grouped value heads: tokamax takes one q/k head per value head, so q and k
+  head i are given to value heads i * G .. (i + 1) * G - 1 (G = HV / H).
+  """
   p = lambda n: params["kda/" + n]["w"]
   b, t, _ = x.shape
+  hv = num_v_heads
 
   def conv_silu(y, w):  # causal depthwise conv, w[-1] on the current token
     if segment_ids is not None:  # tested against NumPy in tests/ops
@@ -93,9 +99,11 @@ def tokamax_composed_layer(params, x, segment_ids=None, *, lower_bound,
     pad = jnp.pad(y, ((0, 0), (width - 1, 0), (0, 0)))
     return jax.nn.silu(sum(w[j] * pad[:, j:j + t] for j in range(width)))
 
-  heads_first = lambda a: jnp.moveaxis(a.reshape(b, t, H, -1), 2, 0)
-  q = conv_silu(x @ p("q_proj"), p("q_conv1d"))
-  k = conv_silu(x @ p("k_proj"), p("k_conv1d"))
+  heads_first = lambda a: jnp.moveaxis(a.reshape(b, t, hv, -1), 2, 0)
+  per_value_head = lambda a: jnp.concatenate(
+      [a.reshape(b, t, H, -1)[:, :, j * H // hv] for j in range(hv)], -1)
+  q = per_value_head(conv_silu(x @ p("q_proj"), p("q_conv1d")))
+  k = per_value_head(conv_silu(x @ p("k_proj"), p("k_conv1d")))
   v = conv_silu(x @ p("v_proj"), p("v_conv1d"))
   top = params["kda"]
   if decay == "channel":
@@ -103,7 +111,9 @@ def tokamax_composed_layer(params, x, segment_ids=None, *, lower_bound,
   else:
     g_raw = jnp.repeat(x @ p("f_proj"), K, axis=-1)  # [B, T, H*K]
     dt_bias = jnp.repeat(top["dt_bias"], K)
-  beta = jax.nn.sigmoid(x @ p("b_proj"))  # [B, T, H]
+  beta = jax.nn.sigmoid(x @ p("b_proj"))  # [B, T, HV]
+  if allow_neg_eigval:
+    beta = 2.0 * beta
   o, _ = tokamax.ops.kimi_delta_attention(
       heads_first(q), heads_first(k), heads_first(v), heads_first(g_raw),
       jnp.moveaxis(beta, 2, 0), a_log=top["a_log"], delta_time_bias=dt_bias,
@@ -173,25 +183,31 @@ class KimiDeltaAttentionTest(chex.TestCase):
   @parameterized.parameters(
       dict(lower_bound=None, decay="channel", segmented=True),
       dict(lower_bound=-2.0, decay="head"),
+      dict(lower_bound=None, decay="channel", segmented=True,
+           layer=dict(num_v_heads=4, allow_neg_eigval=True)),
   )
   def test_matches_composition_with_tokamax_xla_core_other_gates(
-      self, lower_bound, decay, segmented=False):
+      self, lower_bound, decay, segmented=False, layer=None):
     self._check_against_tokamax_composition(jax.jit, lower_bound, decay,
-                                            segmented)
+                                            segmented, layer or {})
 
   def _check_against_tokamax_composition(self, wrap, lower_bound, decay,
-                                         segmented=False):
+                                         segmented=False, layer=None):
     # Measured relative L2 (y, dx, max over dparams): -5/channel 2.0e-7,
     # 3.0e-7, 4.1e-7; softplus/channel/segments 1.4e-7, 2.2e-7, 2.8e-7;
     # -2/head 2.0e-7, 3.0e-7, 8.7e-7.
-    f = _transform(lower_bound=lower_bound, decay=decay, backend="reference")
+    layer = layer or {}
+    f = _transform(lower_bound=lower_bound, decay=decay, backend="reference",
+                   **layer)
     x = _x(2, 19)
     seg = np.array([[1] * 7 + [2] * 10 + [0] * 2, [0] * 2 + [1] * 17],
                    np.int32) if segmented else None
     params = _params(f, x)
     y, grads = _loss_and_grads(wrap(f.apply), params, x, seg)
     apply_ref = jax.jit(lambda p, _, x, s: tokamax_composed_layer(
-        p, x, s, lower_bound=lower_bound, decay=decay))
+        p, x, s, lower_bound=lower_bound, decay=decay,
+        num_v_heads=layer.get("num_v_heads", H),
+        allow_neg_eigval=layer.get("allow_neg_eigval", False)))
     want_y, want_grads = _loss_and_grads(apply_ref, params, x, seg)
     testing.assert_close(y, want_y, rtol=F32_RTOL, name="y")
     testing.assert_close(grads[1], want_grads[1], rtol=F32_RTOL, name="dx")
@@ -230,6 +246,7 @@ class KimiDeltaAttentionTest(chex.TestCase):
       dict(lower_bound=-5.0),
       dict(lower_bound=None, backend="reference", decay="head", conv_size=0,
            expand_v=0.5),
+      dict(lower_bound=None, num_v_heads=4, allow_neg_eigval=True),
   )
   def test_decode_equals_full_forward(self, **kw):
     f = _transform(**kw)
@@ -240,7 +257,8 @@ class KimiDeltaAttentionTest(chex.TestCase):
     for prefill in (0, 1, 5, 17):
       cache = kda_module.init_kda_cache(
           2, num_heads=H, head_dim=K, expand_v=kw.get("expand_v", 1.0),
-          conv_size=kw.get("conv_size", 4))
+          conv_size=kw.get("conv_size", 4),
+          num_v_heads=kw.get("num_v_heads"))
       ys = []
       if prefill:
         y, cache = step(params, None, x[:, :prefill], None, cache)
@@ -251,7 +269,8 @@ class KimiDeltaAttentionTest(chex.TestCase):
       testing.assert_close(jnp.concatenate(ys, 1), full, rtol=F32_RTOL,
                            name=f"prefill {prefill}")
       assert isinstance(cache, KDACache)
-      chex.assert_shape(cache.state, (2, H, K, int(K * kw.get("expand_v", 1))))
+      chex.assert_shape(cache.state, (2, kw.get("num_v_heads", H), K,
+                                      int(K * kw.get("expand_v", 1))))
 
   def test_decode_after_padded_prefill(self):
     # Row 0's prompt is right-padded by 3; its decode continues document 1.
@@ -364,7 +383,8 @@ class KimiDeltaAttentionTest(chex.TestCase):
       ("expand_v", float("nan")), ("conv_size", -1),
       ("lower_bound", -6.0), ("lower_bound", 0.0), ("lower_bound", 1.0),
       ("lower_bound", float("nan")), ("lower_bound", float("-inf")),
-      ("backend", "tpu"), ("decay", "token"),
+      ("backend", "tpu"), ("decay", "token"), ("num_v_heads", 3),
+      ("num_v_heads", 0),
   )
   def test_bad_argument_raises_value_error_naming_it(self, name, value):
     kw = dict(layer_configs.kda_config())

@@ -39,14 +39,20 @@ def x64():
     yield
 
 
-def make_case(gate, *, segments, init, b=3, t=40, h=2, kd=8, vd=6, seed=0):
+def make_case(gate, *, segments, init, b=3, t=40, h=2, kd=8, vd=6, seed=0,
+              value_heads=None, neg_eigval=False):
   """float64 inputs; with segments: interior and trailing padding, an
-  all-padding row, a reappearing id, and runs that cross chunk edges."""
+  all-padding row, a reappearing id, and runs that cross chunk edges.
+  value_heads: HV > h for grouped value heads; neg_eigval: beta in [0, 2]."""
   rng = np.random.default_rng(seed)
   normal = lambda *s: rng.normal(size=s)
-  args = dict(q=normal(b, t, h, kd), k=normal(b, t, h, kd),
-              v=normal(b, t, h, vd), beta=rng.uniform(0.05, 1.0, (b, t, h)))
+  hq, h = h, value_heads or h  # from here on h counts the value heads
+  args = dict(q=normal(b, t, hq, kd), k=normal(b, t, hq, kd),
+              v=normal(b, t, h, vd),
+              beta=rng.uniform(0.05, 1.95 if neg_eigval else 1.0, (b, t, h)))
   kw = dict(use_qk_l2norm=True)
+  if neg_eigval:
+    kw.update(allow_neg_eigval=True)
   if gate == "preactivated":
     args["g"] = rng.uniform(-5.0, 0.0, (b, t, h, kd))
   else:
@@ -110,6 +116,9 @@ CASES = {
                                       init=True),
     "preactivated_segments_no_init": dict(gate="preactivated", segments=True,
                                           init=False),
+    # grouped value heads (HV = 2 H) and beta in [0, 2], with everything else
+    "gva_neg_eigval_segments": dict(gate="softplus", segments=True, init=True,
+                                    value_heads=4, neg_eigval=True),
 }
 
 
@@ -156,16 +165,10 @@ def test_kda_gradients_match_finite_differences(case, backend, chunk):
 # engine): the cheapest to compile, reference, takes the 4-rank case.
 @pytest.mark.parametrize("backend,num_ranks,gate", [
     ("reference", 4, "lower_bound"),
-    pytest.param("chunked", 2, "softplus", marks=[
-        pytest.mark.slow,
-        # A bug this test found, not yet fixed: under shard_map's
-        # check_vma=True the backward of chunked's custom-VJP matmuls
-        # (linalg.mm_nt) returns a mesh-varying cotangent for the replicated
-        # initial state, and tracing the gradient fails. Strict: a fix makes
-        # this fail here; then remove the mark.
-        pytest.mark.xfail(strict=True, raises=ValueError,
-                          reason="chunked CP backward with initial states"
-                          " under check_vma (open bug)")])])
+    # Found a bug: under shard_map's check_vma=True, chunked's custom-VJP
+    # matmuls returned a mesh-varying cotangent for a mesh-invariant operand
+    # (a constant), and tracing the gradient failed; `linalg._same_vma`.
+    pytest.param("chunked", 2, "softplus", marks=pytest.mark.slow)])
 def test_context_parallel_gradients_match_finite_differences(
     backend, num_ranks, gate):
   args, kw = cp_tests.make_case(gate)  # packed documents across ranks

@@ -1,10 +1,21 @@
 """`kimi_delta_attention`: validate, resolve the backend, dispatch (one match).
 
-Kimi Delta Attention (Kimi Linear, arXiv 2510.26692). Per head, with state
-S in R^{K x V}, alpha_t = exp(g_t) and beta_t in [0, 1]:
+Kimi Delta Attention (Kimi Linear, arXiv 2510.26692). Per value head, with
+state S in R^{K x V}, alpha_t = exp(g_t) and beta_t in [0, 1]:
 
     S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T
     o_t = S_t^T (scale * q_t)
+
+Grouped value heads (GVA, flash-linear-attention's `num_v_heads`): v, g, beta
+and the states carry HV heads, a multiple of q and k's H; value head j reads
+q/k head j // (HV / H). Every backend runs them by repeating q and k along the
+head axis before dispatch (autodiff sums the repeats back), so the recurrence
+code sees one q/k head per value head.
+
+Negative eigenvalues (`allow_neg_eigval=True`; Grazzi et al., arXiv
+2411.12537): beta in [0, 2], so the transition I - beta k k^T (unit k) has
+the eigenvalue 1 - beta in [-1, 1]. The algebra of every backend holds for
+any beta; the flag only widens the accepted range.
 """
 
 import functools
@@ -12,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linear_attention.ops import backends
 from linear_attention.ops import context_axis as axes
@@ -46,23 +58,45 @@ def _check_shape(name, x, expected, what):
         f" {tuple(x.shape)}.")
 
 
+def _check_beta_range(beta, allow_neg_eigval):
+  """Raises ValueError if a concrete beta leaves [0, 1] ([0, 2] with the flag).
+
+  Traced values (under jit or grad) cannot be inspected and pass unchecked.
+  """
+  if isinstance(beta, jax.core.Tracer):
+    return
+  hi = 2.0 if allow_neg_eigval else 1.0
+  values = np.asarray(jax.device_get(beta), np.float64)
+  if values.size and not (np.all(values >= 0.0) and np.all(values <= hi)):
+    hint = ("" if allow_neg_eigval else
+            " (allow_neg_eigval=True accepts [0, 2])")
+    raise ValueError(
+        f"beta must lie in [0, {hi:g}]{hint}; got values in"
+        f" [{np.nanmin(values):g}, {np.nanmax(values):g}].")
+
+
 def _validate(q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
               use_gate_in_kernel, initial_state, output_final_state,
-              segment_ids, max_num_segments):
+              segment_ids, max_num_segments, allow_neg_eigval=False):
   if q.ndim != 4:
     raise ValueError(f"q must have shape [B, T, H, K]; got {tuple(q.shape)}.")
   b, t, h, kd = q.shape
   if v.ndim != 4:
-    raise ValueError(f"v must have shape [B, T, H, V]; got {tuple(v.shape)}.")
-  vd = v.shape[-1]
+    raise ValueError(
+        f"v must have shape [B, T, HV, V]; got {tuple(v.shape)}.")
+  hv, vd = v.shape[-2:]
   if t < 1 or b < 1 or h < 1 or kd < 1 or vd < 1:
     raise ValueError(
         f"q and v need B, T, H, K, V >= 1; got q {tuple(q.shape)}, v"
         f" {tuple(v.shape)}.")
   _check_shape("k", k, (b, t, h, kd), "[B, T, H, K] like q")
-  _check_shape("g", g, (b, t, h, kd), "[B, T, H, K] like q")
-  _check_shape("v", v, (b, t, h, vd), "[B, T, H, V] with q's B, T, H")
-  _check_shape("beta", beta, (b, t, h), "[B, T, H]")
+  if v.shape[:2] != (b, t) or hv < h or hv % h:
+    raise ValueError(
+        f"v must have shape [B, T, HV, V] with q's B, T and HV (value heads)"
+        f" a positive multiple of q's H = {h}; got {tuple(v.shape)}.")
+  h = hv  # from here on, every per-head argument follows the value heads
+  _check_shape("g", g, (b, t, h, kd), "[B, T, HV, K]")
+  _check_shape("beta", beta, (b, t, h), "[B, T, HV]")
   for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{name} must be a floating dtype; got {x.dtype}.")
@@ -75,8 +109,8 @@ def _validate(q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
     if a_log is None:
       raise ValueError(
           "a_log ([H]) is required when use_gate_in_kernel=True.")
-    _check_shape("a_log", a_log, (h,), "[H]")
-    _check_shape("dt_bias", dt_bias, (h * kd,), "[H * K]")
+    _check_shape("a_log", a_log, (h,), "[HV]")
+    _check_shape("dt_bias", dt_bias, (h * kd,), "[HV * K]")
   if segment_ids is not None:
     _check_shape("segment_ids", segment_ids, (b, t), "[B, T]")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
@@ -94,11 +128,15 @@ def _validate(q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
   if initial_state is not None:
     if segment_ids is None:
       _check_shape("initial_state", initial_state, (b, h, kd, vd),
-                   "[B, H, K, V]")
+                   "[B, HV, K, V]")
     else:
       _check_shape("initial_state", initial_state,
                    (b, max_num_segments, h, kd, vd),
-                   "[B, max_num_segments, H, K, V] with segment_ids")
+                   "[B, max_num_segments, HV, K, V] with segment_ids")
+  if not isinstance(allow_neg_eigval, bool):
+    raise ValueError(
+        f"allow_neg_eigval must be a bool; got {allow_neg_eigval!r}.")
+  _check_beta_range(beta, allow_neg_eigval)
 
 
 def kimi_delta_attention(
@@ -118,6 +156,7 @@ def kimi_delta_attention(
     output_final_state: bool = False,
     segment_ids: jax.Array | None = None,
     max_num_segments: int | None = None,
+    allow_neg_eigval: bool = False,
     backend: str | Backend = "chunked",
     context_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -125,23 +164,27 @@ def kimi_delta_attention(
 
   Args:
     q, k: [B, T, H, K] queries and keys.
-    v: [B, T, H, V] values.
-    g: [B, T, H, K] log decay (<= 0), or the raw gate when
+    v: [B, T, HV, V] values; HV (value heads) a multiple of H, value head j
+      reading q/k head j // (HV / H) (grouped value heads; HV = H usually).
+    g: [B, T, HV, K] log decay (<= 0), or the raw gate when
       `use_gate_in_kernel=True`.
-    beta: [B, T, H] write strength in [0, 1].
+    beta: [B, T, HV] write strength in [0, 1] ([0, 2] with
+      `allow_neg_eigval`); checked when concrete, not under jit.
     scale: query scale; default K ** -0.5.
-    a_log: [H] log decay rate; required when `use_gate_in_kernel=True`.
-    dt_bias: [H * K] bias added to the raw gate (fused gate only).
+    a_log: [HV] log decay rate; required when `use_gate_in_kernel=True`.
+    dt_bias: [HV * K] bias added to the raw gate (fused gate only).
     lower_bound: None for the gate `-exp(a_log) * softplus(g + dt_bias)`,
       else `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))`, in [-5, 0).
     use_gate_in_kernel: whether `g` is raw and activated here.
     use_qk_l2norm: L2-normalise q and k (x / sqrt(sum x^2 + 1e-6)).
-    initial_state: [B, H, K, V]; with `segment_ids`, [B, N, H, K, V].
+    initial_state: [B, HV, K, V]; with `segment_ids`, [B, N, HV, K, V].
     output_final_state: also return the final state (same shape), in the
       compute dtype: float32, or float64 for float64 inputs on `reference`
       and `chunked` (with `jax_enable_x64`).
     segment_ids: [B, T] int, 1-indexed packed documents, 0 = padding.
     max_num_segments: static N; required with segment_ids and states.
+    allow_neg_eigval: accept beta in [0, 2] (transition eigenvalues in
+      [-1, 1]; see the module docstring).
     backend: "reference" | "chunked" | "mosaic" | "auto" (or a `Backend`);
       resolved by `linear_attention.ops.backends.resolve` ("auto": mosaic
       on TPU v6+, chunked elsewhere).
@@ -154,7 +197,7 @@ def kimi_delta_attention(
       tokamax's CP path and raises NotImplementedError for its limits.
 
   Returns:
-    (o [B, T, H, V] in q.dtype, final_state or None).
+    (o [B, T, HV, V] in q.dtype, final_state or None).
 
   Raises:
     ValueError: bad input (the message names the argument).
@@ -167,9 +210,13 @@ def kimi_delta_attention(
             lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
             initial_state=initial_state,
             output_final_state=output_final_state, segment_ids=segment_ids,
-            max_num_segments=max_num_segments)
+            max_num_segments=max_num_segments,
+            allow_neg_eigval=allow_neg_eigval)
   if scale is None:
     scale = q.shape[-1] ** -0.5
+  group = v.shape[2] // q.shape[2]
+  if group > 1:  # grouped value heads: one q/k head per value head
+    q, k = (jnp.repeat(x, group, axis=2) for x in (q, k))
   kwargs = dict(
       scale=scale, a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,
       use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm=use_qk_l2norm,
