@@ -2,8 +2,9 @@
 
 `make_task(name, **kwargs)` builds one by name from the config's `task`
 section: `delayed_copy` (copying memory), `mqar` (Zoology's multi-query
-associative recall), and the Kimi Linear synthetic suite's `palindrome` and
-`stack` (arXiv 2510.26692, §5.1).
+associative recall), the Kimi Linear synthetic suite's `palindrome` and
+`stack` (arXiv 2510.26692, §5.1), and `parity` (state tracking, Grazzi et
+al., arXiv 2411.12537).
 """
 
 from experiments.tasks.base import Batch
@@ -14,10 +15,11 @@ from experiments.tasks.base import TRAIN_STREAM
 from experiments.tasks.delayed_copy import DelayedCopy
 from experiments.tasks.mqar import MQAR
 from experiments.tasks.palindrome import Palindrome
+from experiments.tasks.parity import Parity
 from experiments.tasks.stack import Stack
 
 TASKS = {"delayed_copy": DelayedCopy, "mqar": MQAR, "palindrome": Palindrome,
-         "stack": Stack}
+         "parity": Parity, "stack": Stack}
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -31,4 +33,4 @@ def make_task(name: str, **kwargs) -> Task:
 
 
 __all__ = ["Batch", "DelayedCopy", "EVAL_STREAM", "MQAR", "Palindrome",
-           "Stack", "TASKS", "Task", "TRAIN_STREAM", "make_task", "rng"]
+           "Parity", "Stack", "TASKS", "Task", "TRAIN_STREAM", "make_task", "rng"]

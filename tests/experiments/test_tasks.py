@@ -107,7 +107,8 @@ def test_delayed_copy_random_delay():
     tasks.DelayedCopy(num_symbols=5, delay=7, random_delay=True),
     tasks.Palindrome(seq_len=20, alphabet_size=6),
     tasks.Stack(seq_len=40, num_stacks=4, num_values=5),
-], ids=["mqar", "delayed_copy", "palindrome", "stack"])
+    tasks.Parity(seq_len=30),
+], ids=["mqar", "delayed_copy", "palindrome", "stack", "parity"])
 def test_deterministic_per_seed_and_streams_differ(task):
   def draw(seed, stream, index):
     return task.sample(tasks.rng(seed, stream, index), 8).as_dict()
@@ -244,3 +245,32 @@ def test_stack_worked_example_and_validation():
                     ("task.seq_len", dict(seq_len=4))):
     with pytest.raises(ValueError, match=field):
       tasks.Stack(**kw)
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 37, 300])
+def test_parity_targets_match_a_counter_of_ones(seq_len):
+  task = tasks.Parity(seq_len=seq_len)
+  b = task.sample(tasks.rng(0, tasks.TRAIN_STREAM, 5), 16)
+  assert b.inputs.shape == (16, seq_len) and task.vocab_size == 3
+  for row in range(16):
+    ones = 0
+    for t, tok in enumerate(b.inputs[row].tolist()):
+      assert tok in (1, 2), "every position holds a bit"
+      ones += tok == 2
+      assert b.targets[row, t] == (2 if ones % 2 else 1), (row, t)
+  np.testing.assert_array_equal(b.mask, 1.0)
+
+
+def test_parity_worked_example_and_statistics():
+  task = tasks.Parity(seq_len=6)
+  assert task.chance_accuracy == 0.5
+  b = task.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0), 1)
+  bits = b.inputs[0] - 1
+  np.testing.assert_array_equal(b.targets[0] - 1, np.cumsum(bits) % 2)
+  big = tasks.Parity(seq_len=512).sample(tasks.rng(1, tasks.TRAIN_STREAM, 0),
+                                         64)
+  # Bits and late parities are balanced: a memoryless model is at 1/2.
+  assert abs((big.inputs == 2).mean() - 0.5) < 0.01
+  assert abs((big.targets[:, 64:] == 2).mean() - 0.5) < 0.02
+  with pytest.raises(ValueError, match="task.seq_len"):
+    tasks.Parity(seq_len=0)
