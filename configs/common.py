@@ -81,6 +81,10 @@ def train_config(**overrides):
       checkpoint_every=100,
       # Stop once the held-out accuracy reaches this (None: run every step).
       stop_at_accuracy=config_dict.placeholder(float),
+      # Length generalisation: after training, the held-out accuracy of the
+      # final parameters at each of these sequence lengths (task.seq_len
+      # replaced; summary.json `length_accuracy`). () for none.
+      eval_lengths=(),
   ))
   for key, value in overrides.items():
     if key not in tr:

@@ -66,6 +66,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       0 < tr.stop_at_accuracy <= 1), "None or in (0, 1]", tr.stop_at_accuracy)
   _check("train.warmup_steps", tr.warmup_steps < tr.num_steps,
          f"< train.num_steps ({tr.num_steps})", tr.warmup_steps)
+  lengths = tr.get("eval_lengths", ())
+  _check("train.eval_lengths",
+         isinstance(lengths, (tuple, list))
+         and all(_is_int(n) and n >= 1 for n in lengths),
+         "a tuple of ints >= 1", lengths)
+  _check("train.eval_lengths", not lengths or "seq_len" in config.task,
+         "empty for a task without a seq_len field", lengths)
   _check("mesh", "mesh" in config, "a section of the config", None)
   for field in ("data", "context"):
     value = config.mesh[field]

@@ -9,6 +9,10 @@ A sweep config (e.g. configs/sweeps/kimi_synthetic.py) holds
   batch_size=<B>)`, one per (task, length); `batch_size` (optional) sets
   the training and held-out batch of that cell;
 * `mixers`, `seeds`, `learning_rates`: the axes crossed with every cell;
+  a mixer is a `model.mixer` name or the name of a variant;
+* `variants` (optional): `{name: ((dotted field, value), ...)}`, a named
+  model variant, e.g. `kda_negeig: (("model.mixer", "kda"),
+  ("model.kda.allow_neg_eigval", True))` (configs/sweeps/parity.py);
 * `ablation`: `dict(mixer=..., seq_len=..., seeds=...)`, extra runs of one
   mixer (e.g. `kda_zeroed`) on the cells of that length.
 
@@ -21,8 +25,9 @@ a lock whose process is gone is taken over.
 
 `aggregate(sweep, workdir)` writes `results.json` (every run summary and one
 record per cell), `results.md` (one row per (task, length, mixer): mean, min
-and max over seeds of the best held-out accuracy and of the steps to 99%)
-and two figures: `accuracy_vs_length.png` (per task, mean with a min-max
+and max over seeds of the best held-out accuracy and of the steps to 99%;
+with `train.eval_lengths`, a second table of the final parameters' accuracy
+at each evaluation length, and `length_generalisation.png`) and two figures: `accuracy_vs_length.png` (per task, mean with a min-max
 band over seeds) and `curves_T<len>.png` (held-out accuracy against step at
 one length, mean and band). With several learning rates a cell reports the
 rate whose mean best accuracy over seeds is highest (the protocol of
@@ -82,6 +87,13 @@ def _run(sweep, cell, mixer: str, seed: int, lr: float) -> Run:
     config.train.batch_size = cell["batch_size"]
     config.train.eval_batch_size = cell["batch_size"]
   config.lock()
+  variant = sweep.get("variants", {}).get(mixer)
+  if variant is not None:  # on the locked config: a misspelt field raises
+    try:
+      config.update_from_flattened_dict(dict(variant))
+    except (KeyError, AttributeError) as e:
+      raise ValueError(f"sweep.variants[{mixer!r}]: the config has no field"
+                       f" {e}.") from None
   task, seq_len = cell["task"]["name"], cell["task"]["seq_len"]
   return Run(name=run_name(task, seq_len, mixer, seed, lr), task=task,
              seq_len=seq_len, mixer=mixer, seed=seed, learning_rate=lr,
@@ -107,6 +119,9 @@ def validate_sweep(sweep) -> None:
     seen.add(key)
   if len(set(sweep.seeds)) != len(sweep.seeds):
     raise ValueError(f"sweep.seeds must be distinct; got {sweep.seeds}.")
+  for name, variant in sweep.get("variants", {}).items():
+    if "model.mixer" not in dict(variant):
+      raise ValueError(f"sweep.variants[{name!r}] must set 'model.mixer'.")
 
 
 def expand(sweep) -> list[Run]:
@@ -287,6 +302,7 @@ def aggregate(sweep, workdir: str, *,
                               if s.get("chance_accuracy") is not None), None),
         num_steps=items[0][0].config.train.num_steps,
         wall_seconds=float(sum(s["wall_seconds"] or 0 for _, s in items)),
+        length_accuracy=_length_stats(s for _, s in items),
     ))
   order = {m: i for i, m in enumerate(
       list(sweep.mixers) + [sweep.get("ablation", {}).get("mixer")])}
@@ -308,6 +324,18 @@ def aggregate(sweep, workdir: str, *,
   if records:
     plot_sweep(results, sweep, workdir)
   return results
+
+
+def _length_stats(summaries) -> dict[str, dict[str, float]] | None:
+  """{length: stats over seeds} of summary.json's `length_accuracy`."""
+  by_len: dict[str, list[float]] = {}
+  for s in summaries:
+    for n, acc in (s.get("length_accuracy") or {}).items():
+      by_len.setdefault(n, []).append(acc)
+  if not by_len:
+    return None
+  return {n: dict(_stats(v), count=len(v))
+          for n, v in sorted(by_len.items(), key=lambda kv: int(kv[0]))}
 
 
 def _pct(stats, key) -> str:
@@ -341,6 +369,23 @@ def results_markdown(results: dict[str, Any]) -> str:
         f" {r['num_reached_99']}/{len(r['seeds'])} | {steps_s} |"
         f" {r['num_steps']} |"
         f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
+  with_lengths = [r for r in results["cells"] if r.get("length_accuracy")]
+  if with_lengths:
+    lengths = sorted({int(n) for r in with_lengths
+                      for n in r["length_accuracy"]})
+    lines += [
+        "", "## Length generalisation: final parameters' held-out accuracy %"
+        " at each length, mean [min, max] over seeds", "",
+        "| task | T trained | mixer | seeds | "
+        + " | ".join(f"T={n}" for n in lengths) + " |",
+        "|---|---|---|---|" + "---|" * len(lengths)]
+    for r in with_lengths:
+      acc = r["length_accuracy"]
+      cols = [("-" if str(n) not in acc else
+               f"{_pct(acc[str(n)], 'mean')} [{_pct(acc[str(n)], 'min')},"
+               f" {_pct(acc[str(n)], 'max')}]") for n in lengths]
+      lines.append(f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
+                   f" {len(r['seeds'])} | " + " | ".join(cols) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -357,12 +402,40 @@ def _curve_on_grid(steps, accs, grid):
   return out
 
 
+def plot_length_generalisation(results: dict[str, Any], mixers,
+                               path: str) -> bool:
+  """Accuracy vs evaluation length, one panel per trained cell; False if
+  no run has `length_accuracy`."""
+  cells = [c for c in results["cells"] if c.get("length_accuracy")]
+  if not cells:
+    return False
+  series, chance = {}, {}
+  for c in cells:
+    panel = f"{c['task']} trained at T={c['seq_len']}"
+    acc = c["length_accuracy"]
+    xs = [int(n) for n in acc]
+    series[(panel, c["mixer"])] = (
+        xs, [acc[n]["mean"] for n in acc], [acc[n]["min"] for n in acc],
+        [acc[n]["max"] for n in acc], [acc[n]["count"] for n in acc])
+    chance[panel] = c["chance_accuracy"]
+  plotting.plot_bands_by_task(
+      series, tasks=list(dict.fromkeys(p for p, _ in series)), mixers=mixers,
+      chance=chance, log_x=True, xlabel="evaluation length T",
+      ylabel="held-out accuracy (%)",
+      title="final parameters at longer lengths (mean, band: min-max over"
+      " seeds)", path=path)
+  return True
+
+
 def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
-  """accuracy_vs_length.png and curves_T<len>.png for the curve length."""
+  """accuracy_vs_length.png, curves_T<len>.png for the curve length and,
+  with evaluation lengths, length_generalisation.png."""
   cells = results["cells"]
   tasks = sorted({c["task"] for c in cells})
   mixers = [m for m in list(sweep.mixers) + [
       sweep.get("ablation", {}).get("mixer")] if m]
+  plot_length_generalisation(
+      results, mixers, os.path.join(workdir, "length_generalisation.png"))
   series = {}
   for task in tasks:
     for mixer in mixers:

@@ -12,7 +12,8 @@ and writes into `workdir`:
   `train.checkpoint_every` steps and at the end;
 * `summary.json`: task, mixer, backend, seed, steps, final / best held-out
   accuracy, chance accuracy, wall seconds and steps per second (of this
-  invocation), steps to 99%;
+  invocation), steps to 99%; with `train.eval_lengths`, `length_accuracy`:
+  the final parameters' held-out accuracy at each of those lengths;
 * `accuracy.png`: held-out accuracy against step.
 
 The pieces live by concern: `experiments/program.py` (config checks, model,
@@ -70,6 +71,22 @@ def _evaluate(eval_step, params, eval_set) -> tuple[float, float]:
     counts.append(batch["mask"].sum())
   w = np.asarray(counts) / np.sum(counts)
   return float(np.dot(w, losses)), float(np.dot(w, accs))
+
+
+def _length_accuracy(config, prog, params) -> dict[str, float]:
+  """Held-out accuracy of `params` at each of `train.eval_lengths`.
+
+  The same task with only `seq_len` replaced, drawn from the held-out stream;
+  the eval step compiles once per length.
+  """
+  out = {}
+  for seq_len in config.train.get("eval_lengths", ()):
+    task = tasks_lib.make_task(**dict(config.task.to_dict(), seq_len=seq_len))
+    _, acc = _evaluate(prog.eval_step, params, _eval_set(config, task))
+    logging.info("Length generalisation: T=%d held-out accuracy %.4f.",
+                 seq_len, acc)
+    out[str(seq_len)] = acc
+  return out
 
 
 def _finished_summary(workdir: str, ckpt) -> dict[str, Any] | None:
@@ -221,6 +238,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     logging.info("Stopped at step %d of %d (stop_at_step).", last,
                  tr.num_steps)
     return summary
+  if tr.get("eval_lengths"):
+    summary["length_accuracy"] = _length_accuracy(config, prog, params)
   _write_outputs(config, task, workdir, summary, log.evals())
   logging.info("Done: %s", json.dumps(summary))
   return summary

@@ -14,6 +14,7 @@ import pytest
 
 from configs import delayed_copy
 from configs import mqar
+from configs import parity
 from experiments import ablate
 from configs import common as config_lib
 from experiments import model as model_lib
@@ -104,10 +105,26 @@ def test_delayed_copy_smoke_and_config_variants(tmp_path):
     mqar.get_config("smok")
 
 
+def test_length_generalisation_evaluates_the_final_parameters(tmp_path):
+  config = config_lib.apply_diff(parity.get_config("smoke"),
+                                 {"model.kda.allow_neg_eigval": True})
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  assert summary["task"] == "parity" and summary["chance_accuracy"] == 0.5
+  acc = summary["length_accuracy"]
+  assert sorted(acc) == ["16", "40"]
+  # At the training length the set is the held-out set of the last eval.
+  assert acc["16"] == pytest.approx(summary["final_eval_accuracy"])
+  assert 0.0 <= acc["40"] <= 1.0
+  with open(os.path.join(tmp_path, "summary.json")) as f:
+    assert json.load(f)["length_accuracy"] == acc
+
+
 def test_bad_train_values_name_the_field(tmp_path):
   for diff, field in (({"train.learning_rate": -1.0}, "train.learning_rate"),
                       ({"train.warmup_steps": 100}, "train.warmup_steps"),
-                      ({"train.batch_size": 0}, "train.batch_size")):
+                      ({"train.batch_size": 0}, "train.batch_size"),
+                      ({"train.eval_lengths": (64, 0)},
+                       "train.eval_lengths")):
     with pytest.raises(ValueError, match=field):
       train.train_and_evaluate(
           config_lib.apply_diff(mqar.get_config("smoke"), diff),

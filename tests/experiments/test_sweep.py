@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs.sweeps import kimi_synthetic
+from configs.sweeps import parity as sweep_parity
 from experiments import sweep_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -110,6 +111,41 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   with open(os.path.join(workdir, "results.md")) as f:
     md = f.read()
   assert "4 of 13 runs finished" in md and "| stack | 32 | kda |" in md
+
+
+def test_parity_sweep_runs_variants_and_tabulates_lengths(tmp_path):
+  sweep = sweep_parity.get_config("smoke")
+  runs = {r.name: r for r in sweep_lib.expand(sweep)}
+  assert sorted(runs) == ["parity_T16/kda_negeig_seed0_lr0.003",
+                          "parity_T16/kda_seed0_lr0.003"]
+  negeig = runs["parity_T16/kda_negeig_seed0_lr0.003"].config
+  assert negeig.model.mixer == "kda" and negeig.model.kda.allow_neg_eigval
+  assert not runs["parity_T16/kda_seed0_lr0.003"].config.model.kda[
+      "allow_neg_eigval"]
+  workdir = str(tmp_path)
+  sweep_lib.run_sweep(sweep, workdir)
+  results = sweep_lib.aggregate(sweep, workdir)
+  for cell in results["cells"]:
+    with open(os.path.join(workdir, f"parity_T16/{cell['mixer']}_seed0_lr"
+                           "0.003", "summary.json")) as f:
+      want = json.load(f)["length_accuracy"]
+    got = cell["length_accuracy"]
+    assert sorted(got) == ["16", "40"]
+    for n in want:
+      assert got[n]["mean"] == got[n]["min"] == pytest.approx(want[n])
+  with open(os.path.join(workdir, "results.md")) as f:
+    md = f.read()
+  assert "## Length generalisation" in md and "| T=40 |" in md
+  assert "| parity | 16 | kda_negeig | 1 |" in md
+  assert os.path.isfile(os.path.join(workdir, "length_generalisation.png"))
+  bad = sweep_parity.get_config("smoke")
+  bad.variants = {"kda_negeig": (("model.kda.allow_neg_eigval", True),)}
+  with pytest.raises(ValueError, match="model.mixer"):
+    sweep_lib.expand(bad)
+  bad.variants = {"kda_negeig": (("model.mixer", "kda"),
+                                 ("model.kda.allow_neg_eigvl", True))}
+  with pytest.raises(ValueError, match="allow_neg_eigvl"):
+    sweep_lib.expand(bad)
 
 
 def _fake_run(workdir, name, best, steps_to_99=None, error=None):
