@@ -152,6 +152,27 @@ def _dt_bias_init(shape, dtype):
   return dt + jnp.log(-jnp.expm1(-dt))
 
 
+def _tails_at_boundaries(projected, segment_ids, every, conv_size):
+  """[B, T, C] conv inputs -> [B, T // every, W - 1, C] cache tails.
+
+  Tail j holds the inputs at the W - 1 positions up to token (j + 1) every
+  - 1, zeros before the sequence start, in other documents, and where that
+  token is padding: what a prefill of the first (j + 1) every tokens leaves
+  in the short conv's cache.
+  """
+  b, t, c = projected.shape
+  n, width = t // every, max(conv_size - 1, 0)
+  last = (jnp.arange(n) + 1) * every - 1  # [J]
+  pos = last[:, None] - width + 1 + jnp.arange(width)[None, :]  # [J, W-1]
+  tails = projected[:, jnp.clip(pos, 0)]  # [B, J, W-1, C]
+  keep = jnp.broadcast_to(pos >= 0, (b,) + pos.shape)
+  if segment_ids is not None:
+    ids = jnp.asarray(segment_ids)
+    at_last = ids[:, last][:, :, None]  # [B, J, 1]
+    keep = keep & (ids[:, jnp.clip(pos, 0)] == at_last) & (at_last != 0)
+  return jnp.where(keep[..., None], tails, 0).astype(projected.dtype)
+
+
 @dataclasses.dataclass(kw_only=True)
 class KimiDeltaAttention(hk.Module):
   """Kimi Delta Attention layer: [B, T, D] -> [B, T, D] (see module docstring).
@@ -229,6 +250,7 @@ class KimiDeltaAttention(hk.Module):
   def __call__(
       self, x: jax.Array, segment_ids: jax.Array | None = None, *,
       max_num_segments: int | None = None, cache: KDACache | None = None,
+      chunk_states_every: int | None = None,
   ) -> jax.Array | tuple[jax.Array, KDACache]:
     """Applies the layer.
 
@@ -242,9 +264,19 @@ class KimiDeltaAttention(hk.Module):
         op; default T for backend="mosaic" (tokamax needs a bound), unused
         otherwise.
       cache: a `KDACache` to continue from (`init_cache` for a new sequence).
+      chunk_states_every: C, or None. With C (and no `cache`), also returns
+        the decode caches at every C-th token (prefix caching): a `KDACache`
+        whose fields have a boundary axis after B (q_conv [B, T // C, W - 1,
+        H*K], ..., state [B, T // C, HV, K, V]); entry j continues the
+        sequence after token (j + 1) C - 1 exactly like the cache a prefill
+        of those tokens returns (its document only; zeros where that token
+        is padding). The recurrent states come from the op's
+        `output_chunk_states`; "reference" and "chunked" backends. Under
+        `context_axis`, C must be >= W - 1 and divide each rank's T.
 
     Returns:
-      y [B, T, D] in x.dtype; with `cache`, (y, new_cache).
+      y [B, T, D] in x.dtype; with `cache`, (y, new_cache); with
+      `chunk_states_every`, (y, chunk_caches).
     """
     if x.ndim != 3:
       raise ValueError(f"x must have shape [B, T, D]; got {tuple(x.shape)}.")
@@ -252,15 +284,29 @@ class KimiDeltaAttention(hk.Module):
     h, kd, vd = self.num_heads, self.head_dim, self.value_dim
     hv = self.value_heads
     cached = cache is not None
+    every = chunk_states_every
+    if every is not None:
+      if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"chunk_states_every must be None or an int >= 1; got {every!r}.")
+      if cached:
+        raise ValueError(
+            "chunk_states_every is for a prefill from the start (cache=None);"
+            " got a cache.")
+      if self.context_axis is not None and every < self.conv_size - 1:
+        raise ValueError(
+            f"chunk_states_every ({every}) must be >= conv_size - 1"
+            f" ({self.conv_size - 1}) under context_axis.")
     if cached:
       self._check_cache(cache, b)
       if segment_ids is not None:  # one document per row, 0 = padding
         segment_ids = (segment_ids != 0).astype(jnp.int32)
     tails = cache[:3] if cached else (None, None, None)
 
-    qkv, new_tails = [], []
+    qkv, new_tails, projected = [], [], []
     for name, size, tail in zip("qkv", (h * kd, h * kd, hv * vd), tails):
       y = self._linear(size, f"{name}_proj")(x)
+      projected.append(y)
       y = self._conv_silu(y, f"{name}_conv1d", segment_ids, tail)
       if cached:
         y, tail = y
@@ -302,14 +348,17 @@ class KimiDeltaAttention(hk.Module):
       # 1 serves them (every id reads the same zero state).
       max_num_segments = max_num_segments or (
           t if backend == kda_api.Backend.MOSAIC else 1)
-    o, state = kda_api.kimi_delta_attention(
+    outs = kda_api.kimi_delta_attention(
         q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
         lower_bound=self.lower_bound, use_gate_in_kernel=True,
         use_qk_l2norm=True, initial_state=initial_state,
         output_final_state=cached, segment_ids=segment_ids,
         max_num_segments=max_num_segments,
-        allow_neg_eigval=self.allow_neg_eigval, backend=backend,
+        allow_neg_eigval=self.allow_neg_eigval,
+        output_chunk_states=every is not None,
+        chunk_states_every=every or 64, backend=backend,
         context_axis=self.context_axis)
+    o, state = outs[:2]
     chex.assert_shape(o, (b, t, hv, vd))
 
     o = norms.RMSNorm(name="o_norm")(o).reshape(b, t, hv * vd)
@@ -318,6 +367,10 @@ class KimiDeltaAttention(hk.Module):
       o = o * jax.nn.sigmoid(gate.astype(f32)).astype(o.dtype)
     y = self._linear(d, "o_proj")(o).astype(x.dtype)
     chex.assert_shape(y, (b, t, d))
+    if every is not None:
+      tails = [_tails_at_boundaries(p, segment_ids, every, self.conv_size)
+               for p in projected]
+      return y, KDACache(*tails, state=outs[2].astype(f32))
     if not cached:
       return y
     if segment_ids is not None:

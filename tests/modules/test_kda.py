@@ -291,6 +291,57 @@ class KimiDeltaAttentionTest(chex.TestCase):
                          name="y")
     np.testing.assert_array_equal(np.asarray(full)[0, 5:8], 0.0)  # padding
 
+  @parameterized.parameters(dict(segmented=False), dict(segmented=True))
+  def test_chunk_caches_continue_the_sequence_like_a_prefill(self, segmented):
+    # Grouped value heads and beta in [0, 2] ride along; C=6 < T=23 with a
+    # partial last chunk; W - 1 = 3 taps of conv tail.
+    cfg = dict(num_heads=H, head_dim=K, lower_bound=None, num_v_heads=4,
+               allow_neg_eigval=True)
+
+    def fwd(x, seg=None, cache=None, every=None):
+      layer = KimiDeltaAttention(**cfg, name="kda")
+      if every is not None:
+        return layer(x, seg, chunk_states_every=every)
+      return layer(x, seg) if cache is None else layer(x, seg, cache=cache)
+
+    f = hk.transform(fwd)
+    t, every = 23, 6
+    x = _x(2, t)
+    params = _params(f, x)
+    seg = None
+    if segmented:  # documents that end inside a conv window, and padding
+      seg = np.array([[1] * 10 + [2] * 9 + [0] * 4,
+                      [1] * 4 + [2] * 7 + [3] * 12], np.int32)
+    apply = jax.jit(f.apply, static_argnames="every")
+    full = apply(params, None, x, seg)
+    y, caches = apply(params, None, x, seg, every=every)
+    testing.assert_close(y, full, rtol=F32_RTOL, name="y")
+    chex.assert_shape(caches.state, (2, t // every, 4, K, K))
+    chex.assert_shape(caches.v_conv, (2, t // every, 3, 4 * K))
+    for j in range(t // every):
+      p = (j + 1) * every
+      cache = jax.tree.map(lambda a: a[:, j], caches)
+      if segmented:
+        same = seg[:, p:] == seg[:, p - 1:p]  # the boundary's document
+        same &= seg[:, p - 1:p] != 0
+        y, _ = apply(params, None, x[:, p:], same.astype(np.int32), cache)
+        np.testing.assert_array_less(0, same.sum())
+        testing.assert_close(np.asarray(y)[same], np.asarray(full)[:, p:][same],
+                             rtol=F32_RTOL, name=f"y after boundary {j}")
+      else:
+        y, _ = apply(params, None, x[:, p:], None, cache)
+        testing.assert_close(y, full[:, p:], rtol=F32_RTOL,
+                             name=f"y after boundary {j}")
+        # ... and the cache is the one a prefill of those tokens leaves.
+        _, prefilled = apply(params, None, x[:, :p], None,
+                             kda_module.init_kda_cache(2, num_heads=H,
+                                                       head_dim=K,
+                                                       num_v_heads=4))
+        for name, a, want in zip(KDACache._fields, cache, prefilled):
+          testing.assert_close(a, want, rtol=F32_RTOL, name=f"{name} {j}")
+    with pytest.raises(ValueError, match="chunk_states_every"):
+      apply(params, None, x, seg, every=0)
+
   def test_segment_isolation(self):
     # On the reference core isolation is exact. (The chunked core shares a
     # chunk between documents: it rounds differently by ~1 ulp in y and gives

@@ -16,6 +16,14 @@ Negative eigenvalues (`allow_neg_eigval=True`; Grazzi et al., arXiv
 2411.12537): beta in [0, 2], so the transition I - beta k k^T (unit k) has
 the eigenvalue 1 - beta in [-1, 1]. The algebra of every backend holds for
 any beta; the flag only widens the accepted range.
+
+Chunk-boundary states (`output_chunk_states=True`): the state after tokens
+C, 2 C, ... (C = `chunk_states_every`) of each row, differentiable, with
+packed segments (the state of the segment holding the boundary token) and
+under context parallelism (global positions; each rank returns those in its
+slice). Computed by the exact state passing of
+`linear_attention.ops.kda.context_parallel.chunk_states` on the backend's
+own runner: about one extra forward pass with V + K value columns.
 """
 
 import functools
@@ -28,6 +36,7 @@ import numpy as np
 from linear_attention.ops import backends
 from linear_attention.ops import context_axis as axes
 from linear_attention.ops.kda import chunked
+from linear_attention.ops.kda import common
 from linear_attention.ops.kda import context_parallel
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import reference
@@ -157,9 +166,11 @@ def kimi_delta_attention(
     segment_ids: jax.Array | None = None,
     max_num_segments: int | None = None,
     allow_neg_eigval: bool = False,
+    output_chunk_states: bool = False,
+    chunk_states_every: int = 64,
     backend: str | Backend = "chunked",
     context_axis: str | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, ...]:
   """Kimi Delta Attention over [B, T, H, *] inputs.
 
   Args:
@@ -185,6 +196,11 @@ def kimi_delta_attention(
     max_num_segments: static N; required with segment_ids and states.
     allow_neg_eigval: accept beta in [0, 2] (transition eigenvalues in
       [-1, 1]; see the module docstring).
+    output_chunk_states: also return the states after every
+      `chunk_states_every`-th token (see Returns); "reference" and "chunked"
+      only (NotImplementedError on "mosaic").
+    chunk_states_every: C >= 1, the distance between those states (under
+      `context_axis`, each rank's T must be a multiple of C).
     backend: "reference" | "chunked" | "mosaic" | "auto" (or a `Backend`);
       resolved by `linear_attention.ops.backends.resolve` ("auto": mosaic
       on TPU v6+, chunked elsewhere).
@@ -197,7 +213,12 @@ def kimi_delta_attention(
       tokamax's CP path and raises NotImplementedError for its limits.
 
   Returns:
-    (o [B, T, HV, V] in q.dtype, final_state or None).
+    (o [B, T, HV, V] in q.dtype, final_state or None); with
+    `output_chunk_states`, a third element [B, T // C, HV, K, V] in the
+    final state's dtype: entry j is the state right after token (j + 1) C - 1
+    (the state of the segment holding that token; zeros if it is padding).
+    Under `context_axis`, [B, T_local // C, HV, K, V]: the boundaries in this
+    rank's slice.
 
   Raises:
     ValueError: bad input (the message names the argument).
@@ -214,6 +235,24 @@ def kimi_delta_attention(
             allow_neg_eigval=allow_neg_eigval)
   if scale is None:
     scale = q.shape[-1] ** -0.5
+  if not isinstance(output_chunk_states, bool):
+    raise ValueError(f"output_chunk_states must be a bool; got"
+                     f" {output_chunk_states!r}.")
+  if output_chunk_states:
+    if (isinstance(chunk_states_every, bool)
+        or not isinstance(chunk_states_every, int) or chunk_states_every < 1):
+      raise ValueError(f"chunk_states_every must be an int >= 1; got"
+                       f" {chunk_states_every!r}.")
+    if context_axis is not None and q.shape[1] % chunk_states_every:
+      raise ValueError(
+          f"chunk_states_every ({chunk_states_every}) must divide each"
+          f" rank's sequence length under context_axis; got T_local ="
+          f" {q.shape[1]}.")
+    if backend is Backend.MOSAIC:
+      raise NotImplementedError(
+          "output_chunk_states is implemented on the 'reference' and"
+          " 'chunked' backends, not 'mosaic' (tokamax's kernel returns no"
+          " intermediate states and takes only canonical segment layouts).")
   group = v.shape[2] // q.shape[2]
   if group > 1:  # grouped value heads: one q/k head per value head
     q, k = (jnp.repeat(x, group, axis=2) for x in (q, k))
@@ -222,14 +261,26 @@ def kimi_delta_attention(
       use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm=use_qk_l2norm,
       initial_state=initial_state, output_final_state=output_final_state,
       segment_ids=segment_ids, max_num_segments=max_num_segments)
-  if context_axis is None:
-    return _run(backend, q, k, v, g, beta, **kwargs)
-  if backend is Backend.MOSAIC:
+  if context_axis is not None and backend is Backend.MOSAIC:
     return mosaic.kda_mosaic_context_parallel(
         q, k, v, g, beta, context_axis=context_axis, **kwargs)
-  return context_parallel.kda_context_parallel(
-      q, k, v, g, beta, context_axis=context_axis,
-      local_fn=functools.partial(_run, backend), **kwargs)
+  local_fn = functools.partial(_run, backend)
+  if context_axis is not None:
+    return context_parallel.kda_context_parallel(
+        q, k, v, g, beta, context_axis=context_axis, local_fn=local_fn,
+        chunk_states_every=(chunk_states_every if output_chunk_states
+                            else None), **kwargs)
+  out = _run(backend, q, k, v, g, beta, **kwargs)
+  if not output_chunk_states:
+    return out
+  from_op = ("initial_state", "output_final_state", "segment_ids",
+             "max_num_segments")
+  states = context_parallel.chunk_states(
+      q, k, v, g, beta, every=chunk_states_every, local_fn=local_fn,
+      local={n: x for n, x in kwargs.items() if n not in from_op},
+      initial_state=initial_state, segment_ids=segment_ids,
+      dtype=common.compute_dtype(q, k, v, g, beta, initial_state))
+  return out + (states,)
 
 
 def _run(backend: Backend, q, k, v, g, beta, **kwargs):

@@ -39,6 +39,13 @@ their scan carries varying like their inputs (`ops/kda/common.vary_like`),
 and the final states come out of psums, typed mesh-invariant, so
 `out_specs=P()` is accepted for them.
 
+Chunk-boundary states (`chunk_states`, the op's `output_chunk_states`) are
+the same algebra on one device: the row is cut into pieces of C tokens laid
+side by side as rows of one local call (step 1), and a `lax.scan` over the
+pieces composes their maps (step 3), emitting the state at each piece's last
+token. Under context parallelism each rank starts that scan from the state
+its ranks before pass on.
+
 Backend "mosaic" uses tokamax's own CP path instead (`ops/kda/mosaic.py`,
 `kda_mosaic_context_parallel`).
 
@@ -92,11 +99,170 @@ def _bmask(mask, x):
   return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
 
 
+def local_labels(ids, user_init, state_shape, dtype):
+  """Segment labels of a slice for its local calls, and their base states.
+
+  The slice's first run gets its own slot (the last, N + 1), so that its
+  incoming state can be set apart from a later run of the same id. With
+  `user_init` None (every state starts at zero, no final states wanted)
+  only run boundaries matter: runs are labelled 1, 2, 1, 2, ... so that no
+  bound on the ids is needed.
+
+  Args:
+    ids: [B, T] int32 ids (0 = padding).
+    user_init: [B, N, H, K, V] initial states of ids 1..N, or None.
+    state_shape: (H, K, V).
+    dtype: the compute dtype.
+
+  Returns:
+    (labels [B, T] int32, base [B, N', H, K, V]): the labels, and the
+    initial states of slots 1..N' (the first run's slot N' + 1 excluded).
+  """
+  valid, run_index, _, _, _ = _runs(ids)
+  if user_init is None:
+    base = jnp.zeros((ids.shape[0], 2) + tuple(state_shape), dtype)
+    labels = jnp.where(valid, 1 + run_index % 2, 0)
+  else:
+    base, labels = user_init, ids
+  first_run = valid & (run_index == 1)
+  labels = jnp.where(first_run, base.shape[1] + 1, labels).astype(jnp.int32)
+  return labels, base
+
+
+def end_maps(q, k, v, g, beta, *, labels, base, local_fn, local):
+  """Step 1: the end state of each row's last run, affine in the state
+  entering its first run: end = trans @ X + offset.
+
+  One local call with values [v | 0_K] and the first run's initial state
+  [0 | I_K]. `labels`, `base` from `local_labels`; `local` holds the op's
+  keyword arguments for `local_fn` (segment_ids=labels included).
+
+  Returns:
+    (trans [B, H, K, K], offset [B, H, K, V]); trans = 0 when the last run
+    starts after the first.
+  """
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  dtype = base.dtype
+  n_user = base.shape[1]
+  eye = jnp.broadcast_to(jnp.eye(kd, dtype=dtype), (b, 1, h, kd, kd))
+  init1 = jnp.concatenate([
+      jnp.concatenate([base, jnp.zeros((b, n_user, h, kd, kd), dtype)], -1),
+      jnp.concatenate([jnp.zeros((b, 1, h, kd, vd), dtype), eye], -1),
+  ], axis=1)
+  v_aug = jnp.concatenate([v, jnp.zeros((b, t, h, kd), v.dtype)], axis=-1)
+  _, end1 = local_fn(
+      q, k, v_aug, g, beta, initial_state=init1, output_final_state=True,
+      **local)
+  last_pos = _runs(labels)[4]
+  last_label = jnp.take_along_axis(labels, last_pos[:, None], axis=1)[:, 0]
+  end = _pick(end1, last_label - 1)  # [B, H, K, V + K]
+  return end[..., vd:], end[..., :vd]
+
+
+def compose(carry, carry_id, trans, offset, first_id, last_id, has, init_of):
+  """Step 3 for one slice: passes the carried (state, segment id) across it.
+
+  The slice's first run continues the carried state if it has the carried
+  id, else starts from its segment's initial state (`init_of(ids)`); a slice
+  without valid tokens passes the carry through.
+
+  Returns:
+    (carry, carry_id, new): the carry after the slice, and the end state of
+    its last run (meaningful where `has`).
+  """
+  cont = has & (first_id == carry_id) & (carry_id != 0)
+  start = jnp.where(_bmask(cont, carry), carry, init_of(first_id))
+  new = jnp.einsum("bhkj,bhjv->bhkv", trans, start,
+                   precision=_HIGHEST) + offset
+  carry = jnp.where(_bmask(has, carry), new, carry)
+  carry_id = jnp.where(has, last_id, carry_id)
+  return carry, carry_id, new
+
+
+def chunk_states(q, k, v, g, beta, *, every, local_fn, local, initial_state,
+                 segment_ids, dtype, carry=None):
+  """The state after tokens every, 2 every, ... of each row.
+
+  The row is cut into pieces of `every` tokens, laid side by side as rows of
+  one local call that gives each piece's affine end map (step 1), and a scan
+  over the pieces composes them (step 3). At each piece's last token the
+  state is that of the segment holding the token; zeros if it is padding.
+  Exact and differentiable like the rest (autodiff through the local call
+  and the scan); it costs one extra local pass over the tokens with V + K
+  value columns.
+
+  Args:
+    q, k, v, g, beta: the op's inputs ([B, T, ...], validated; T need not
+      be a multiple of `every`: tokens after the last boundary are unused).
+    every: C, the distance between boundaries.
+    local_fn: the backend's single-device runner.
+    local: the op's keyword arguments for `local_fn` other than the state
+      and segment arguments.
+    initial_state: [B, H, K, V] ([B, N, H, K, V] with segment_ids) or None.
+    segment_ids: [B, T] ids or None.
+    dtype: the compute dtype.
+    carry: (state [B, H, K, V], segment id [B]) entering the row (context
+      parallelism: what the ranks before this one pass on); None: nothing.
+
+  Returns:
+    [B, T // every, H, K, V] in `dtype`.
+  """
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  n = t // every
+  if n == 0:
+    return common.vary_like(jnp.zeros((b, 0, h, kd, vd), dtype), q)
+  ids = (segment_ids.astype(jnp.int32) if segment_ids is not None
+         else jnp.ones((b, t), jnp.int32))
+
+  def pieces(x):  # [B, T, ...] -> [B * n, every, ...], row-major in (B, n)
+    return x[:, :n * every].reshape((b * n, every) + x.shape[2:])
+
+  user_init = None
+  if initial_state is not None:
+    user_init = jnp.asarray(initial_state, dtype)
+    if segment_ids is None:
+      user_init = user_init[:, None]
+  piece_ids = pieces(ids)
+  labels, base = local_labels(
+      piece_ids, None if user_init is None else jnp.repeat(user_init, n, 0),
+      (h, kd, vd), dtype)
+  trans, offset = end_maps(
+      *map(pieces, (q, k, v, g, beta)), labels=labels, base=base,
+      local_fn=local_fn,
+      local=dict(local, segment_ids=labels, max_num_segments=base.shape[1] + 1))
+  _, _, first_id, last_id, _ = _runs(piece_ids)
+  has = (piece_ids != 0).any(axis=1)
+  ends_valid = piece_ids[:, -1] != 0
+
+  def init_of(seg_id):
+    if user_init is None:
+      return jnp.zeros((b, h, kd, vd), dtype)
+    return _pick(user_init, seg_id - 1)
+
+  def step(c, x):
+    state, state_id = c
+    tr, off, first, last, has_j, end_j = x
+    state, state_id, new = compose(state, state_id, tr, off, first, last,
+                                   has_j, init_of)
+    return (state, state_id), jnp.where(_bmask(end_j, new), new, 0.0)
+
+  per_piece = lambda x: jnp.moveaxis(x.reshape((b, n) + x.shape[1:]), 1, 0)
+  xs = tuple(map(per_piece, (trans, offset, first_id, last_id, has,
+                             ends_valid)))
+  if carry is None:
+    carry = (jnp.zeros((b, h, kd, vd), dtype), jnp.zeros((b,), jnp.int32))
+  carry = common.vary_like(carry, q)
+  _, out = jax.lax.scan(step, carry, xs)  # [n, B, H, K, V]
+  return jnp.moveaxis(out, 0, 1)
+
+
 def kda_context_parallel(
     q, k, v, g, beta, *, context_axis: str, local_fn, scale, a_log=None,
     dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
     use_qk_l2norm=False, initial_state=None, output_final_state=False,
-    segment_ids=None, max_num_segments=None,
+    segment_ids=None, max_num_segments=None, chunk_states_every=None,
 ):
   """KDA on a sequence shard; see the module docstring.
 
@@ -108,8 +274,13 @@ def kda_context_parallel(
   every rank. `local_fn(q, k, v, g, beta, **kwargs) -> (o, state)` is the
   backend's single-device runner (the op's keyword arguments, validated).
 
+  With `chunk_states_every` = C (T_local a multiple of C), also the states
+  at this rank's boundaries (global positions C, 2 C, ... that fall in its
+  slice; `chunk_states`).
+
   Returns:
-    (o [B, T_local, H, V], final_state or None), like the op.
+    (o [B, T_local, H, V], final_state or None), like the op; with
+    `chunk_states_every`, (o, final_state or None, [B, T_local / C, H, K, V]).
   """
   num_ranks = axes.axis_size(context_axis)
   b, t, h, kd = q.shape
@@ -118,32 +289,22 @@ def kda_context_parallel(
   has_segments = segment_ids is not None
   ids = (segment_ids.astype(jnp.int32) if has_segments
          else jnp.ones((b, t), jnp.int32))
-  valid, run_index, first_id, last_id, last_pos = _runs(ids)
+  valid, _, first_id, last_id, last_pos = _runs(ids)
   has_valid = valid.any(axis=1)
-  first_run = valid & (run_index == 1)
 
   # Local labels: the shard's first run gets its own slot (the last one).
   if initial_state is None and not output_final_state:
-    # Only run boundaries matter (every state starts at zero): label runs
-    # 1, 2, 1, 2, ... so that no bound on the ids is needed.
-    n_user = 2
-    base = jnp.zeros((b, n_user, h, kd, vd), dtype)
     user_init = None
-    labels = jnp.where(valid, 1 + run_index % 2, 0)
+  elif initial_state is None:
+    n_user = max_num_segments if has_segments else 1
+    user_init = jnp.zeros((b, n_user, h, kd, vd), dtype)
   else:
-    if initial_state is None:
-      n_user = max_num_segments if has_segments else 1
-      user_init = jnp.zeros((b, n_user, h, kd, vd), dtype)
-    else:
-      user_init = jnp.asarray(initial_state, dtype)
-      if not has_segments:
-        user_init = user_init[:, None]
-      n_user = user_init.shape[1]
-    base = user_init
-    labels = ids
+    user_init = jnp.asarray(initial_state, dtype)
+    if not has_segments:
+      user_init = user_init[:, None]
+  labels, base = local_labels(ids, user_init, (h, kd, vd), dtype)
+  n_user = base.shape[1]
   n_slots = n_user + 1
-  labels = jnp.where(first_run, n_slots, labels).astype(jnp.int32)
-  last_label = jnp.take_along_axis(labels, last_pos[:, None], axis=1)[:, 0]
 
   def init_of(seg_id):  # the user's initial state of segment seg_id, [B,H,K,V]
     if user_init is None:
@@ -156,17 +317,8 @@ def kda_context_parallel(
                max_num_segments=n_slots)
 
   # 1. End state of the shard's last run, affine in the incoming state.
-  eye = jnp.broadcast_to(jnp.eye(kd, dtype=dtype), (b, 1, h, kd, kd))
-  init1 = jnp.concatenate([
-      jnp.concatenate([base, jnp.zeros((b, n_user, h, kd, kd), dtype)], -1),
-      jnp.concatenate([jnp.zeros((b, 1, h, kd, vd), dtype), eye], -1),
-  ], axis=1)
-  v_aug = jnp.concatenate([v, jnp.zeros((b, t, h, kd), v.dtype)], axis=-1)
-  _, end1 = local_fn(
-      q, k, v_aug, g, beta, initial_state=init1, output_final_state=True,
-      **local)
-  end = _pick(end1, last_label - 1)  # [B, H, K, V + K]
-  offset, trans = end[..., :vd], end[..., vd:]
+  trans, offset = end_maps(q, k, v, g, beta, labels=labels, base=base,
+                           local_fn=local_fn, local=local)
 
   # 2. Gather the affine maps and the shards' segment ends.
   trans_all = jax.lax.all_gather(trans, context_axis)  # [R, B, H, K, K]
@@ -181,16 +333,22 @@ def kda_context_parallel(
   x_in, id_in = carry, carry_id
   for j in range(num_ranks - 1):
     first_j, last_j, has_j = (meta_all[j, :, i] for i in range(3))
-    has_j = has_j.astype(bool)
-    cont = has_j & (first_j == carry_id) & (carry_id != 0)
-    start = jnp.where(_bmask(cont, carry), carry, init_of(first_j))
-    new = jnp.einsum("bhkj,bhjv->bhkv", trans_all[j], start,
-                     precision=_HIGHEST) + offset_all[j]
-    carry = jnp.where(_bmask(has_j, carry), new, carry)
-    carry_id = jnp.where(has_j, last_j, carry_id)
+    carry, carry_id, _ = compose(
+        carry, carry_id, trans_all[j], offset_all[j], first_j, last_j,
+        has_j.astype(bool), init_of)
     after_j = rank == j + 1
     x_in = jnp.where(after_j, carry, x_in)
     id_in = jnp.where(after_j, carry_id, id_in)
+
+  boundary = None
+  if chunk_states_every is not None:
+    boundary = chunk_states(
+        q, k, v, g, beta, every=chunk_states_every, local_fn=local_fn,
+        local={n: x for n, x in local.items()
+               if n not in ("segment_ids", "max_num_segments")},
+        initial_state=initial_state, segment_ids=segment_ids, dtype=dtype,
+        carry=(x_in, id_in))
+  extra = () if boundary is None else (boundary,)
 
   # 4. Exact local pass with the incoming state on the first run.
   cont = has_valid & (first_id == id_in) & (id_in != 0)
@@ -200,7 +358,7 @@ def kda_context_parallel(
       q, k, v, g, beta, initial_state=init2,
       output_final_state=output_final_state, **local)
   if not output_final_state:
-    return o, None
+    return (o, None) + extra
 
   # 5. Final state of segment n from the last rank that holds a token of n.
   seg = jnp.arange(1, n_user + 1, dtype=jnp.int32)[None, :, None]
@@ -220,4 +378,4 @@ def kda_context_parallel(
   final = final + jnp.where(_bmask(anywhere, base), 0.0, user_init)
   if not has_segments:
     final = final[:, 0]
-  return o, final
+  return (o, final) + extra
