@@ -5,6 +5,18 @@ r"""Trains one experiment config: the absl entry point.
       --config.model.mixer=kda_zeroed --config.model.kda.backend=mosaic \
       --config.seed=3
 
+Several processes (hosts of a TPU pod slice, or processes on one machine),
+each running the same command:
+
+  # a TPU pod slice (JAX finds the coordinator and the process ids itself):
+  python run_experiment.py --config=configs/mqar.py:tpu --workdir=<shared> \
+      --multiprocess
+  # or explicitly, e.g. two processes on one machine (process 0 and 1):
+  python run_experiment.py --config=... --workdir=<shared> \
+      --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0
+
+The mesh (config.mesh) must then span every device of every process.
+
 The config is locked: a misspelt override fails before anything runs.
 Rerunning with the same workdir resumes from the latest checkpoint. With
 `model.kda.backend=mosaic` on a machine whose default device is not a TPU,
@@ -15,6 +27,7 @@ Flags are read here, in `main`, and nowhere else.
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 from ml_collections import config_flags
 
 from experiments import train
@@ -28,6 +41,38 @@ _STOP_AT_STEP = flags.DEFINE_integer(
     "stop_at_step", None,
     "Stop after this step without the final checkpoint or summary, as if "
     "killed (for resume tests); rerun without it to finish.")
+_MULTIPROCESS = flags.DEFINE_bool(
+    "multiprocess", False,
+    "Call jax.distributed.initialize() with no arguments: JAX detects the "
+    "cluster (Cloud TPU pod slices, Slurm, Open MPI).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "jax.distributed.initialize's coordinator_address (host:port of process "
+    "0), with --num_processes and --process_id.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "jax.distributed.initialize's num_processes.")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "jax.distributed.initialize's process_id.")
+
+
+def _initialize_distributed() -> None:
+  """jax.distributed.initialize from the flags; nothing without them."""
+  explicit = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if any(v is not None for v in explicit):
+    if any(v is None for v in explicit):
+      raise app.UsageError(
+          "--coordinator_address, --num_processes and --process_id go"
+          " together.")
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  elif _MULTIPROCESS.value:
+    jax.distributed.initialize()
+  else:
+    return
+  logging.info("Process %d of %d; %d local of %d devices.",
+               jax.process_index(), jax.process_count(),
+               jax.local_device_count(), jax.device_count())
 
 
 def main(argv):
@@ -37,6 +82,7 @@ def main(argv):
   workdir = _WORKDIR.value
   if config is None or not workdir:
     raise app.UsageError("--config and --workdir are required.")
+  _initialize_distributed()  # before any other JAX call
   train.quiet_orbax_logs()
   logging.info("Config:\n%s", config)
   with train.backend_context(config):

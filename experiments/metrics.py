@@ -10,6 +10,8 @@ import os
 from typing import Any
 
 from absl import logging
+import jax
+from jax.experimental import multihost_utils
 import tensorboardX
 
 TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
@@ -18,17 +20,28 @@ TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
 class MetricsLog:
   """metrics.jsonl + TensorBoard; on resume drops records after the step."""
 
-  def __init__(self, workdir: str, resume_step: int):
+  def __init__(self, workdir: str, resume_step: int, *, writer: bool = True):
+    """`writer=False` (processes other than 0) keeps records in memory only.
+
+    Every process reads the existing file before any rewrites it (a barrier
+    across processes in a multi-process run).
+    """
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self.writer = writer
     self.records = []
     if os.path.exists(self.path):
       with open(self.path) as f:
         self.records = [json.loads(line) for line in f if line.strip()]
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("metrics log read")
     kept = [r for r in self.records if r["step"] <= resume_step]
     if len(kept) != len(self.records):
       logging.info("Dropping %d metric records logged after step %d.",
                    len(self.records) - len(kept), resume_step)
     self.records = kept
+    self.tb = None
+    if not writer:
+      return
     with open(self.path, "w") as f:
       for r in kept:
         f.write(json.dumps(r) + "\n")
@@ -36,6 +49,8 @@ class MetricsLog:
 
   def write(self, record: dict[str, Any]) -> None:
     self.records.append(record)
+    if not self.writer:
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
     for key, value in record.items():
@@ -46,7 +61,8 @@ class MetricsLog:
     return [r for r in self.records if r["split"] == "eval"]
 
   def close(self):
-    self.tb.close()
+    if self.tb is not None:
+      self.tb.close()
 
 
 def steps_to_accuracy(evals, target: float = TARGET_ACCURACY) -> int | None:

@@ -4,6 +4,13 @@
 AdamW with its schedule, and the jitted train and eval steps (data x context
 mesh when `config.mesh` asks for one), and caches the result per config so a
 resumed run or a test rerun does not recompile.
+
+Several processes (`jax.distributed.initialize`, one per host): the mesh
+spans every device of every process; parameters and optimizer state are
+replicated over it (`Program.init`, `Program.init_opt`); every process builds
+the same global batch from the (seed, step) stream and places the blocks its
+own devices hold (`Program.put_batch`), so a run's data and numbers do not
+depend on how many processes run it.
 """
 
 import collections
@@ -97,6 +104,11 @@ def make_mesh(config) -> jax.sharding.Mesh | None:
   data, context = config.mesh.data, config.mesh.context
   n = data * context
   if n == 1:
+    if jax.process_count() > 1:
+      raise ValueError(
+          f"mesh.data * mesh.context must equal the number of devices of all"
+          f" {jax.process_count()} processes ({jax.device_count()}) in a"
+          f" multi-process run; got 1 x 1.")
     return None
   available = jax.device_count()
   if n > available:
@@ -104,6 +116,11 @@ def make_mesh(config) -> jax.sharding.Mesh | None:
         f"mesh.data * mesh.context ({data} x {context} = {n}) must be <= the"
         f" number of devices ({available}). On CPU, simulate devices with"
         f" XLA_FLAGS=--xla_force_host_platform_device_count={n}.")
+  if jax.process_count() > 1 and n != available:
+    raise ValueError(
+        f"mesh.data * mesh.context ({data} x {context} = {n}) must equal the"
+        f" number of devices of all {jax.process_count()} processes"
+        f" ({available}) in a multi-process run.")
   devices = np.asarray(jax.devices()[:n]).reshape(data, context)
   return jax.sharding.Mesh(devices, ("data", "context"))
 
@@ -167,7 +184,9 @@ class Program:
   schedule: optax.Schedule
   train_step: Any  # (params, opt_state, batch) -> (params, opt_state, metrics)
   eval_step: Any  # (params, batch) -> (loss, accuracy)
-  init: Any  # (rng, tokens) -> params
+  init: Any  # (rng, tokens) -> params (replicated over the mesh)
+  init_opt: Any  # params -> optimizer state (replicated over the mesh)
+  put_batch: Any  # {name: [B, T] NumPy} -> arrays sharded over the mesh
 
 
 # Reusing the jitted functions of an identical config (a resumed run, a test
@@ -230,9 +249,25 @@ def build_program(config) -> Program:
                                    grad_norm=optax.global_norm(grads),
                                    grads_finite=all_finite)
 
+  replicated = batch_sharding = None
+  if mesh is not None:
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    batch_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("data", "context"))
+
+  def put_batch(batch):
+    if batch_sharding is None:
+      return batch
+    return {name: jax.make_array_from_callback(
+        x.shape, batch_sharding, lambda index, x=x: x[index])
+            for name, x in batch.items()}
+
   prog = Program(task=task, model=model, optimizer=optimizer,
                   schedule=schedule, train_step=train_step,
-                  eval_step=jax.jit(loss_fn), init=jax.jit(init_model.init))
+                  eval_step=jax.jit(loss_fn),
+                  init=jax.jit(init_model.init, out_shardings=replicated),
+                  init_opt=jax.jit(optimizer.init, out_shardings=replicated),
+                  put_batch=put_batch)
   _PROGRAMS[key] = prog
   while len(_PROGRAMS) > _MAX_PROGRAMS:
     _PROGRAMS.popitem(last=False)

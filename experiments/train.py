@@ -20,6 +20,14 @@ The pieces live by concern: `experiments/program.py` (config checks, model,
 optimiser, jitted steps), `experiments/metrics.py` (the metrics log),
 `experiments/checkpoints.py` (orbax); this file is the loop.
 
+Several processes (`jax.distributed.initialize` before the first JAX call,
+as `run_experiment.py` does with its distributed flags): every process runs
+this same loop on the mesh spanning all devices; the batches, parameters and
+metrics are the single-process run's (`experiments/program.py`); only
+process 0 writes config.json, metrics, TensorBoard, plots and the summary,
+and every process takes part in orbax's checkpoint saves and restores (the
+workdir must be a path all processes share).
+
 Data is a pure function of (seed, step): the training batch of step s comes
 from `tasks.rng(seed, TRAIN_STREAM, s)`, the held-out set from the separate
 `EVAL_STREAM`. Rerunning with the same workdir restores the latest checkpoint,
@@ -61,11 +69,11 @@ def _eval_set(config, task) -> list[dict[str, np.ndarray]]:
           for i in range(tr.eval_batches)]
 
 
-def _evaluate(eval_step, params, eval_set) -> tuple[float, float]:
+def _evaluate(prog, params, eval_set) -> tuple[float, float]:
   """(loss, accuracy) over the held-out set, weighted by scored tokens."""
   losses, accs, counts = [], [], []
   for batch in eval_set:
-    loss, acc = jax.device_get(eval_step(params, batch))
+    loss, acc = jax.device_get(prog.eval_step(params, prog.put_batch(batch)))
     losses.append(loss)
     accs.append(acc)
     counts.append(batch["mask"].sum())
@@ -82,7 +90,7 @@ def _length_accuracy(config, prog, params) -> dict[str, float]:
   out = {}
   for seq_len in config.train.get("eval_lengths", ()):
     task = tasks_lib.make_task(**dict(config.task.to_dict(), seq_len=seq_len))
-    _, acc = _evaluate(prog.eval_step, params, _eval_set(config, task))
+    _, acc = _evaluate(prog, params, _eval_set(config, task))
     logging.info("Length generalisation: T=%d held-out accuracy %.4f.",
                  seq_len, acc)
     out[str(seq_len)] = acc
@@ -132,6 +140,8 @@ def _summary(config, task, params, log, *, last, start, wall):
 
 
 def _write_outputs(config, task, workdir, summary, evals) -> None:
+  if jax.process_index() != 0:
+    return
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   plotting.plot_accuracy(
@@ -161,8 +171,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   tr = config.train
   prog = program_lib.build_program(config)
   task = prog.task
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
   b, t = tr.batch_size, task.seq_len
   logging.info("Task %s: T=%d, vocab %d, chance accuracy %.4f.", task.name, t,
                task.vocab_size, task.chance_accuracy)
@@ -174,7 +185,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   params = prog.init(jax.random.key(config.seed),
                      jnp.zeros((1, t), jnp.int32))
-  opt_state = prog.optimizer.init(params)
+  opt_state = prog.init_opt(params)
   logging.info("Model: mixer %s, %d parameters, KDA backend %s.",
                config.model.mixer, model_lib.count_params(params),
                program_lib.kda_backend(config))
@@ -191,12 +202,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     params, opt_state = checkpoints.restore(ckpt, start, params, opt_state)
     logging.info("Resumed from the checkpoint at step %d in %s.", start,
                  workdir)
-  log = metrics_lib.MetricsLog(workdir, start)
+  log = metrics_lib.MetricsLog(workdir, start,
+                               writer=jax.process_index() == 0)
 
   last = tr.num_steps if stop_at_step is None else min(stop_at_step,
                                                        tr.num_steps)
   if start == 0:
-    loss, acc = _evaluate(prog.eval_step, params, eval_set)
+    loss, acc = _evaluate(prog, params, eval_set)
     log.write(dict(step=0, split="eval", loss=loss, accuracy=acc))
 
   t0 = time.time()
@@ -204,7 +216,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   for step in range(start, last):
     batch = task.sample(tasks_lib.rng(config.seed, tasks_lib.TRAIN_STREAM,
                                       step), b).as_dict()
-    params, opt_state, m = prog.train_step(params, opt_state, batch)
+    params, opt_state, m = prog.train_step(params, opt_state,
+                                           prog.put_batch(batch))
     m = jax.device_get(m)
     if not m.pop("grads_finite"):
       raise FloatingPointError(f"Non-finite gradients at step {step + 1}.")
@@ -216,7 +229,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       window = [time.time(), 0]
     solved = False
     if done % tr.eval_every == 0 or done == tr.num_steps:
-      loss, acc = _evaluate(prog.eval_step, params, eval_set)
+      loss, acc = _evaluate(prog, params, eval_set)
       log.write(dict(step=done, split="eval", loss=loss, accuracy=acc))
       logging.info("step %d  held-out loss %.4f  accuracy %.4f", done, loss,
                    acc)
