@@ -37,6 +37,7 @@ from linear_attention.modules import kda as kda_module
 from linear_attention.modules import short_conv
 
 MIXERS = ("kda", "kda_zeroed", "gdn", "attention", "none")
+COMPUTE_DTYPES = ("float32", "bfloat16")  # config.model.compute_dtype
 
 
 def rope(x: jax.Array, base: float) -> jax.Array:
@@ -169,6 +170,10 @@ def validate_model_config(model, vocab_size: int) -> None:
     value = model[field]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"model.{field} must be an int >= 1; got {value!r}.")
+  dtype = model.get("compute_dtype", "float32")
+  if dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"model.compute_dtype must be one of {COMPUTE_DTYPES};"
+                     f" got {dtype!r}.")
   att = model.attention
   if att.head_dim % 2:
     raise ValueError(f"model.attention.head_dim must be even (RoPE); got"
@@ -179,8 +184,16 @@ def validate_model_config(model, vocab_size: int) -> None:
 
 
 def make_model(model, vocab_size: int) -> hk.Transformed:
-  """hk.transform of the LM; `model` is `config.model` (read once, here)."""
+  """hk.transform of the LM; `model` is `config.model` (read once, here).
+
+  `model.compute_dtype="bfloat16"` is mixed precision: parameters (and so
+  the optimizer state) stay float32; `apply` computes with a bfloat16 copy
+  of them, so activations and matmuls are bfloat16, the KDA op still
+  accumulates its state in float32, and the logits come back float32 for the
+  loss. Gradients flow through the cast into the float32 parameters.
+  """
   validate_model_config(model, vocab_size)
+  compute_dtype = jnp.dtype(model.get("compute_dtype", "float32"))
   mixer = model.mixer
   kda = model.kda.to_dict()
   attention = model.attention.to_dict()
@@ -191,7 +204,17 @@ def make_model(model, vocab_size: int) -> hk.Transformed:
     make_mixer = mixer_factory(mixer, kda=kda, attention=attention)
     return LanguageModel(make_mixer=make_mixer, name="lm", **kwargs)(tokens)
 
-  return hk.without_apply_rng(hk.transform(forward))
+  transformed = hk.without_apply_rng(hk.transform(forward))
+  if compute_dtype == jnp.float32:
+    return transformed
+
+  def apply(params, tokens):
+    low = jax.tree.map(
+        lambda p: p.astype(compute_dtype)
+        if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+    return transformed.apply(low, tokens).astype(jnp.float32)
+
+  return hk.Transformed(init=transformed.init, apply=apply)
 
 
 def count_params(params) -> int:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -103,6 +104,27 @@ def test_delayed_copy_smoke_and_config_variants(tmp_path):
     delayed_copy.get_config("lng")
   with pytest.raises(ValueError, match="variant"):
     mqar.get_config("smok")
+
+
+def test_bfloat16_mixed_precision_tracks_float32(tmp_path):
+  runs = {}
+  for dtype in ("float32", "bfloat16"):
+    config = config_lib.apply_diff(mqar.get_config("smoke"),
+                                   {"model.compute_dtype": dtype})
+    train.train_and_evaluate(config, str(tmp_path / dtype))
+    runs[dtype] = [r for r in _records(str(tmp_path / dtype))
+                   if r["split"] == "train"]
+    prog = train.build_program(config)
+    params = prog.init(jax.random.key(0), np.zeros((1, 8), np.int32))
+    assert {p.dtype for p in jax.tree.leaves(params)} == {np.dtype("float32")}
+    logits = prog.model.apply(params, np.zeros((1, 8), np.int32))
+    assert logits.dtype == np.float32  # the loss is computed in float32
+  for lo, hi in zip(runs["bfloat16"], runs["float32"]):
+    assert lo["loss"] == pytest.approx(hi["loss"], rel=2e-2), (lo, hi)
+  with pytest.raises(ValueError, match="model.compute_dtype"):
+    train.train_and_evaluate(config_lib.apply_diff(
+        mqar.get_config("smoke"), {"model.compute_dtype": "float16"}),
+        str(tmp_path / "bad"))
 
 
 def test_length_generalisation_evaluates_the_final_parameters(tmp_path):

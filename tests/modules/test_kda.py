@@ -342,6 +342,18 @@ class KimiDeltaAttentionTest(chex.TestCase):
     with pytest.raises(ValueError, match="chunk_states_every"):
       apply(params, None, x, seg, every=0)
 
+  def test_bfloat16_outputs_are_within_the_bf16_tolerance(self):
+    # Mixed precision as the experiments run it: bf16 parameters and input.
+    f = _transform(lower_bound=None)
+    x = _x(2, 40)
+    params = _params(f, x)
+    want = jax.jit(f.apply)(params, None, x)
+    low = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    y = jax.jit(f.apply)(low, None, x.astype(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+    testing.assert_close(y.astype(jnp.float32), want,
+                         rtol=testing.RTOL[np.dtype(jnp.bfloat16)], name="y")
+
   def test_segment_isolation(self):
     # On the reference core isolation is exact. (The chunked core shares a
     # chunk between documents: it rounds differently by ~1 ulp in y and gives
