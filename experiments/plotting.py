@@ -52,7 +52,9 @@ def plot_bands_by_task(
     xlabel, ylabel, title: labels.
     path: where to write the PNG.
   """
-  fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8),
+  # At least 7.5 inches wide: one panel still fits the title and legend.
+  fig, axes = plt.subplots(1, len(tasks),
+                           figsize=(max(4.2 * len(tasks), 7.5), 3.8),
                            dpi=120, squeeze=False)
   colors = {m: f"C{i}" for i, m in enumerate(mixers)}
   counts = {n for s in series.values() for n in s[4]}

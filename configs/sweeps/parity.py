@@ -48,6 +48,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.variants = VARIANTS
   config.seeds = (0, 1, 2)
   config.learning_rates = (base.train.learning_rate,)
+  config.curve_seq_len = base.task.seq_len  # held-out accuracy vs step
   if arg == "smoke":
     config.mixers = ("kda", "kda_negeig")
     config.seeds = (0,)
