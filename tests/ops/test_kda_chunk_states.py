@@ -94,9 +94,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked"])
+# C = 7 leaves a partial last piece (T = 40); chunked compiles slowly in
+# float64, so it takes C = 8 (pieces of half a 16-token chunk) only.
+@pytest.mark.parametrize("backend,every", [("reference", 8),
+                                           ("reference", 7), ("chunked", 8)])
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("every", [8, 7])
 def test_chunk_states_match_the_float64_oracle(backend, case, every):
   args, kw = anchors.make_case(**CASES[case])  # T = 40
   with mock.patch.object(backends, "chunk_size", lambda platform=None: 16):
