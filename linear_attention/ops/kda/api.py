@@ -273,12 +273,9 @@ def kimi_delta_attention(
   out = _run(backend, q, k, v, g, beta, **kwargs)
   if not output_chunk_states:
     return out
-  from_op = ("initial_state", "output_final_state", "segment_ids",
-             "max_num_segments")
   states = context_parallel.chunk_states(
       q, k, v, g, beta, every=chunk_states_every, local_fn=local_fn,
-      local={n: x for n, x in kwargs.items() if n not in from_op},
-      initial_state=initial_state, segment_ids=segment_ids,
+      local=kwargs, initial_state=initial_state, segment_ids=segment_ids,
       dtype=common.compute_dtype(q, k, v, g, beta, initial_state))
   return out + (states,)
 

@@ -197,8 +197,8 @@ def chunk_states(q, k, v, g, beta, *, every, local_fn, local, initial_state,
       be a multiple of `every`: tokens after the last boundary are unused).
     every: C, the distance between boundaries.
     local_fn: the backend's single-device runner.
-    local: the op's keyword arguments for `local_fn` other than the state
-      and segment arguments.
+    local: the op's keyword arguments for `local_fn`; its state and segment
+      arguments are replaced here.
     initial_state: [B, H, K, V] ([B, N, H, K, V] with segment_ids) or None.
     segment_ids: [B, T] ids or None.
     dtype: the compute dtype.
@@ -224,6 +224,9 @@ def chunk_states(q, k, v, g, beta, *, every, local_fn, local, initial_state,
     user_init = jnp.asarray(initial_state, dtype)
     if segment_ids is None:
       user_init = user_init[:, None]
+  local = {n: x for n, x in local.items() if n not in (
+      "initial_state", "output_final_state", "segment_ids",
+      "max_num_segments")}
   piece_ids = pieces(ids)
   labels, base = local_labels(
       piece_ids, None if user_init is None else jnp.repeat(user_init, n, 0),
@@ -344,9 +347,7 @@ def kda_context_parallel(
   if chunk_states_every is not None:
     boundary = chunk_states(
         q, k, v, g, beta, every=chunk_states_every, local_fn=local_fn,
-        local={n: x for n, x in local.items()
-               if n not in ("segment_ids", "max_num_segments")},
-        initial_state=initial_state, segment_ids=segment_ids, dtype=dtype,
+        local=local, initial_state=initial_state, segment_ids=segment_ids, dtype=dtype,
         carry=(x_in, id_in))
   extra = () if boundary is None else (boundary,)
 
