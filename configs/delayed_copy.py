@@ -20,11 +20,8 @@ bound -1 instead of -5; reported whatever it reaches),
 "mosaic", whose kernel needs T to be a multiple of 64, so delay 108 and
 T = 2 * 10 + 108 = 128, with the safe gate's bound at -1 as for `long`;
 global batch 512 over a data axis of 8, 64 sequences per chip; held-out
-batches of 256), float32 compute: `--config.model.compute_dtype=bfloat16` (mixed precision)
-is built and tested on CPU, but exporting a bfloat16 step for TPU from a
-CPU host fails inside tokamax's bfloat16 kernel, which reads the host's TPU
-info (a TPU host has it), so the variant stays float32 until a TPU run
-checks it. Its learning rate and step budget are the default's, not
+batches of 256), bfloat16 compute (`model.compute_dtype`; parameters,
+optimizer state, the KDA state and the loss stay float32). Its learning rate and step budget are the default's, not
 yet tuned for this delay and batch. Check it lowers (no TPU needed):
 
   python -m experiments.export_tpu --config=configs/delayed_copy.py:tpu \
@@ -82,6 +79,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.delay = 108  # T = 2 * num_symbols + delay = 128
     config.model.kda.lower_bound = -1.0  # hold symbols over 108+ tokens
     config.model.kda.backend = "mosaic"
+    config.model.compute_dtype = "bfloat16"
     config.train.batch_size = 512
     config.train.eval_batch_size = 256
     config.train.eval_batches = 2

@@ -39,12 +39,9 @@ runs in seconds, for tests); `configs/mqar.py:tpu`, the same task and model
 for a TPU v6e-8 slice (8 devices): backend "mosaic" (tokamax's Pallas kernel,
 TPU v6+; T=256 is a multiple of its 64-token chunk), global batch 256 split
 over a data axis of 8 (32 sequences per chip), held-out batches of 256,
-float32 compute: `--config.model.compute_dtype=bfloat16` (mixed precision)
-is built and tested on CPU, but exporting a bfloat16 step for TPU from a
-CPU host fails inside tokamax's bfloat16 kernel, which reads the host's TPU
-info (a TPU host has it), so the variant stays float32 until a TPU run
-checks it. Check it
-lowers before paying for a TPU (no TPU needed):
+bfloat16 compute (`model.compute_dtype`: parameters, optimizer state, the
+KDA state and the loss stay float32). Check it lowers before paying for a
+TPU (no TPU needed):
 
   python -m experiments.export_tpu --config=configs/mqar.py:tpu --chip=v6e
 
@@ -97,6 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.mesh = config_lib.mesh_config()
   if arg == "tpu":
     config.model.kda.backend = "mosaic"
+    config.model.compute_dtype = "bfloat16"
     config.train.batch_size = 256
     config.train.eval_batch_size = 256
     config.mesh = config_lib.mesh_config(data=8)

@@ -26,10 +26,10 @@ non-zero (1; 2 for a bad flag) naming the problem when:
 
 How the checks are made, and why:
 
-* Backend resolution. `backends.resolve` reads the *host's* device kind, so
-  "auto" would resolve to "chunked" here; this tool resolves the requested
-  backend for the target chip instead (`backends.resolve(..., device_kind=`
-  the kind JAX reports for that chip`)`) and traces with the result. The
+* Backend resolution. The report's backend is `backends.resolve(...,
+  device_kind=` the kind JAX reports for that chip`)`, the same decision the
+  layers make while traced inside `lowering_mode` (which names the chip as
+  the target device). The
   train step has no decode pieces (no cache), so the other fallback of
   `resolve` (T not a multiple of 64 while decoding) cannot arise in it.
 * Fallback detection reads the exported module, the artefact a TPU would run,
@@ -56,16 +56,18 @@ How the checks are made, and why:
   started yet (otherwise set it yourself). `jax.export` lowers such a
   sharded step for "tpu" from CPU devices (the module has N partitions).
 
+How the TPU is targeted: `mosaic.lowering_mode(chip, mesh)` is JAX's
+abstract-mesh cross-lowering (an `AbstractMesh` of the host mesh's axes whose
+`abstract_device` is the chip) plus tokamax's `cross_compile` option; nothing
+is patched. The parameter shapes come from a `reference` build of the same
+model (`jax.eval_shape` runs outside the mode, where nothing may execute).
+
 Known limits (the tool reports them; fixes belong in `linear_attention/`):
 
-* mosaic with mesh.context > 1 needs segment_ids and K, V
-  multiples of 128 (tokamax's context-parallel kernel; the model passes no
-  segment_ids), and its Mosaic lowering reads the TPU info through
-  `jax._src.pallas.mosaic.tpu_info.get_tpu_info`, which `lowering_mode`
-  does not patch ("Unsupported TPU device kind: cpu", off-TPU only).
-* A non-Mosaic backend traced here is not exactly what a TPU runs: the
-  chunked backend picks its chunk from the host platform (16 on CPU, 64 on
-  TPU). The tool is a check of the Mosaic path; it fails on the others.
+* mosaic with mesh.context > 1 needs K, V multiples of 128 (tokamax's
+  context-parallel kernel).
+* The tool is a check of the Mosaic path; it fails on the others (a
+  `chunked` step lowers too, with the TPU's 64-token chunk).
 * The export is a check, not an artefact to deploy: it is over the step's
   flattened leaves, and a sharded one records the host's abstract mesh.
 """
@@ -92,15 +94,6 @@ from linear_attention.ops.kda import mosaic
 
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
 
-# The device kind JAX reports for each chip (jax._src.tpu_info's table):
-# what `backends.resolve` sees on that TPU.
-_DEVICE_KINDS = {
-    "TPU_V2": "TPU v2", "TPU_V3": "TPU v3", "TPU_V4": "TPU v4",
-    "TPU_V4I": "TPU v4 lite", "TPU_V5E": "TPU v5 lite", "TPU_V5P": "TPU v5",
-    "TPU_V6E": "TPU v6 lite", "TPU_7": "TPU7", "TPU_7X": "TPU7x",
-    "TPU_8I": "TPU8i", "TPU_8T": "TPU8t",
-}
-
 # Known lowering failures: (text in the exception, what it means).
 _HINTS = (
     ("manual_axis_type",
@@ -110,10 +103,10 @@ _HINTS = (
      " shard_map of your own around a mosaic call must too (a tracing"
      " error: a TPU fails the same way)."),
     ("Unsupported TPU device kind",
-     "Pallas' Mosaic lowering read the TPU info of the host device through"
-     " jax._src.pallas.mosaic.tpu_info.get_tpu_info, which"
-     " mosaic.lowering_mode does not patch (tokamax's context-parallel"
-     " kernel needs it); this does not happen on a TPU host."),
+     "Pallas' Mosaic lowering read the TPU info of the host device: a"
+     " Pallas call was traced outside mosaic.lowering_mode's abstract mesh"
+     " (a jitted function traced before the export, or a shard_map over"
+     " another mesh than the one passed to lowering_mode)."),
 )
 
 
@@ -145,10 +138,7 @@ class Report:
     return sum(n for (d, _), n in self.kernels.items() if d == direction)
 
 
-def device_kind(chip) -> str:
-  """The `device_kind` string JAX reports on `chip` (e.g. "TPU v6 lite")."""
-  name = mosaic.chip_version(chip).name
-  return _DEVICE_KINDS.get(name, name.replace("_", " "))
+device_kind = mosaic.device_kind
 
 
 def chip_generation(chip) -> int:
@@ -227,7 +217,14 @@ def _ensure_host_devices(n: int) -> None:
 def _abstract_inputs(config, prog, mesh):
   """ShapeDtypeStructs of (params, opt_state, batch), sharded on `mesh`."""
   t = prog.task.seq_len
-  params = jax.eval_shape(prog.init, jax.random.key(config.seed),
+  # The parameters' shapes do not depend on the KDA backend: take them from a
+  # `reference` build, which traces on any host (the mosaic kernel traces
+  # only inside `lowering_mode`, which allows nothing but lowering).
+  shapes = config.copy_and_resolve_references()
+  if program_lib.uses_kda(config):
+    shapes.model.kda.backend = "reference"
+  shape_prog = program_lib.build_program(shapes)
+  params = jax.eval_shape(shape_prog.init, jax.random.key(config.seed),
                           jax.ShapeDtypeStruct((1, t), jnp.int32))
   opt_state = jax.eval_shape(prog.optimizer.init, params)
   # One example fixes the batch's dtypes; its shapes are [batch_size, T].
@@ -253,14 +250,13 @@ def _lower(config, chip):
     _ensure_host_devices(config.mesh.data * config.mesh.context)
     prog = program_lib.build_program(config)
     mesh = program_lib.make_mesh(config)
-    with mosaic.lowering_mode(chip):
-      leaves, tree = jax.tree.flatten(_abstract_inputs(config, prog, mesh))
+    leaves, tree = jax.tree.flatten(_abstract_inputs(config, prog, mesh))
 
-      def flat_step(*flat):
-        return jax.tree.leaves(prog.train_step(*jax.tree.unflatten(tree,
-                                                                   flat)))
+    def flat_step(*flat):
+      return jax.tree.leaves(prog.train_step(*jax.tree.unflatten(tree, flat)))
 
-      shardings = None if mesh is None else tuple(x.sharding for x in leaves)
+    shardings = None if mesh is None else tuple(x.sharding for x in leaves)
+    with mosaic.lowering_mode(chip, mesh):
       exported = jax.export.export(
           jax.jit(flat_step, in_shardings=shardings),
           platforms=["tpu"])(*leaves)
@@ -303,8 +299,6 @@ def export_train_step(config, chip) -> Report:
     requested = str(config.model.kda.backend)
     target = target_backend(config, chip)
     num_kda_layers = config.model.num_layers
-    # Trace what the TPU would run ("auto" resolved for the chip, not here).
-    config = config_lib.apply_diff(config, {"model.kda.backend": target})
   exported, kernels = _lower(config, chip)
   per_layer = None
   if num_kda_layers == 1 and target == backends.Backend.MOSAIC.value:

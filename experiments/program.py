@@ -229,10 +229,14 @@ def build_program(config) -> Program:
       denom = jnp.maximum(count, 1.0)
       return nll / denom, correct / denom
   else:
-    # tokamax's Pallas kernels do not trace under shard_map's check_vma.
+    # tokamax's Pallas kernels do not trace under shard_map's check_vma;
+    # "auto" may pick them where the step is traced (a TPU, or a TPU
+    # targeted from another host: mosaic.lowering_mode).
+    may_run_mosaic = uses_kda(config) and (
+        kda_backend(config) == "mosaic" or config.model.kda.backend == "auto")
     loss_fn = parallel_train.shard_loss_fn(
         sums_fn, mesh, "data", "context" if context > 1 else None,
-        has_aux=True, check_vma=kda_backend(config) != "mosaic")
+        has_aux=True, check_vma=not may_run_mosaic)
 
   @jax.jit
   def train_step(params, opt_state, batch):

@@ -53,8 +53,42 @@ def tpu_generation(device_kind: str) -> int | None:
   return int(match.group(1)) if match else None
 
 
+def _target_device():
+  """The abstract device lowered for (`jax.sharding.use_abstract_mesh`)."""
+  return jax.sharding.get_abstract_mesh().abstract_device
+
+
+def target_mesh(mesh):
+  """`mesh`, or the abstract mesh in context that stands for it elsewhere.
+
+  When lowering for another machine (`jax.sharding.use_abstract_mesh` with
+  an abstract device, as `linear_attention.ops.kda.mosaic.lowering_mode`
+  sets), a `jax.shard_map` must run on the context's abstract mesh, not on
+  the host's concrete `mesh` of the same shape (JAX checks they match, and
+  the abstract one carries the target device). Library code passes its
+  meshes through here.
+  """
+  context = jax.sharding.get_abstract_mesh()
+  if (mesh is not None and not context.empty
+      and context.abstract_device is not None
+      and context.shape_tuple == mesh.shape_tuple):
+    return context
+  return mesh
+
+
+def target_platform() -> str:
+  """The platform being compiled for: "tpu", "gpu", "cpu".
+
+  The abstract mesh's device's platform when lowering for another machine
+  (`target_mesh`), else `jax.default_backend()`.
+  """
+  target = _target_device()
+  return jax.default_backend() if target is None else target.platform
+
+
 def _default_device_kind() -> str:
-  return jax.devices()[0].device_kind
+  target = _target_device()
+  return jax.devices()[0].device_kind if target is None else target.device_kind
 
 
 def resolve(backend: "str | Backend", *, decode_len: int | None = None,
@@ -64,8 +98,10 @@ def resolve(backend: "str | Backend", *, decode_len: int | None = None,
   Args:
     backend: "reference" | "chunked" | "mosaic" | "auto", or a `Backend`.
     decode_len: T of a decode piece (the layer with a cache), or None.
-    device_kind: the device to decide for (default: the first device's
-      `device_kind`, e.g. "TPU v6 lite", "cpu").
+    device_kind: the device to decide for (default: the device of the
+      abstract mesh in context when it names one, as
+      `linear_attention.ops.kda.mosaic.lowering_mode` does, else the first
+      device's `device_kind`, e.g. "TPU v6 lite", "cpu").
 
   Returns:
     A concrete `Backend` (never AUTO).
@@ -103,7 +139,9 @@ def chunk_size(platform: str | None = None) -> int:
   keep 64: fewer, larger sequential steps.
 
   Args:
-    platform: "cpu", "gpu", "tpu", ...; default `jax.default_backend()`.
+    platform: "cpu", "gpu", "tpu", ...; default the platform of the abstract
+      mesh's device in context (lowering for another machine), else
+      `jax.default_backend()`.
   """
-  platform = jax.default_backend() if platform is None else platform
+  platform = target_platform() if platform is None else platform
   return CPU_CHUNK if platform == "cpu" else MOSAIC_CHUNK

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from linear_attention.ops import backends
+
 
 
 def shard_loss_fn(
@@ -78,6 +80,12 @@ def shard_loss_fn(
     return loss, jax.tree.map(lambda x: jax.lax.psum(x, axes) / weight,
                               aux[0])
 
-  return jax.shard_map(
-      local, mesh=mesh, in_specs=(P(), P(data_axis, context_axis)),
-      out_specs=P(), check_vma=check_vma)
+  def sharded(params, batch):
+    # The mesh is looked up when traced: lowering for another machine runs
+    # on the abstract mesh that stands for `mesh` there.
+    return jax.shard_map(
+        local, mesh=backends.target_mesh(mesh),
+        in_specs=(P(), P(data_axis, context_axis)), out_specs=P(),
+        check_vma=check_vma)(params, batch)
+
+  return sharded

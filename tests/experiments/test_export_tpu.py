@@ -8,10 +8,10 @@ seconds on a CPU.
   tokamax's forward and backward kernels for every layer, the same kernels
   a direct export of the op gives, and no chunked fallback; a layer forced
   onto "chunked" is caught;
-* a sharded step (data x context mesh of CPU devices) exports for "tpu";
-  the Mosaic data- and context-parallel steps do not yet, for the reasons
-  their xfail markers give (strict: a fix makes them fail here, remove the
-  marker then);
+* a sharded step (data x context mesh of CPU devices) exports for "tpu",
+  and so do the Mosaic data-parallel and context-parallel steps and a
+  bfloat16 Mosaic step (JAX's abstract-mesh cross-lowering: nothing in JAX
+  or tokamax is patched);
 * the CLI: exit 0 and the kernel count for mosaic, non-zero naming the
   problem for chunked and for a bad chip;
 * the `tpu` config variants.
@@ -192,16 +192,6 @@ def test_sharded_step_exports_for_tpu_from_cpu_devices():
   assert "'chunked'" in problem
 
 
-def _expect_known_failure(config, marker):
-  """Exports; a failure must be the known one (else it is a real failure)."""
-  try:
-    report = export_tpu.export_train_step(config, "v6e")
-  except export_tpu.ExportError as e:
-    assert marker in str(e), str(e)
-    raise
-  assert export_tpu.problems(report) == []
-
-
 def test_data_parallel_mosaic_step_exports():
   # tokamax's pallas_calls do not trace under shard_map's check_vma=True;
   # the program turns it off for mosaic (shard_loss_fn(check_vma=False)).
@@ -210,18 +200,37 @@ def test_data_parallel_mosaic_step_exports():
   assert export_tpu.problems(report) == []
 
 
-@pytest.mark.xfail(
-    strict=True, raises=export_tpu.ExportError,
-    reason="backend='mosaic' with mesh.context > 1 runs tokamax's"
-    " context-parallel kernel, which needs segment_ids (the model passes"
-    " none) and K, V multiples of 128; past that, off TPU,"
-    " lowering_mode not patching"
-    " jax._src.pallas.mosaic.tpu_info.get_tpu_info stop it.")
+def test_auto_backend_resolves_to_mosaic_for_the_chip_while_traced():
+  # The layers resolve "auto" themselves inside lowering_mode (the target
+  # device is the chip's, not this CPU's).
+  for mesh_data in (1, 2):
+    report = export_tpu.export_train_step(
+        _config(**{"model.kda.backend": "auto", "mesh.data": mesh_data}),
+        "v6e")
+    assert report.requested_backend == "auto" and report.backend == "mosaic"
+    assert export_tpu.problems(report) == []
+    assert report.count(FORWARD) >= 1 and report.count(BACKWARD) >= 1
+
+
+def test_bfloat16_mosaic_step_exports():
+  report = export_tpu.export_train_step(
+      _config(**{"model.kda.backend": "mosaic",
+                 "model.compute_dtype": "bfloat16"}), "v6e")
+  assert export_tpu.problems(report) == []
+  # The kernels run on bfloat16 operands (tokamax's bf16 kernel variant).
+  kernels = [line for line in report.exported.mlir_module().splitlines()
+             if "@tpu_custom_call(" in line]
+  assert kernels and all("bf16" in line for line in kernels)
+
+
 def test_context_parallel_mosaic_step_exports():
-  _expect_known_failure(
+  # tokamax's context-parallel kernel (K, V multiples of 128; the model's
+  # unpacked rows reach it as one segment per row).
+  report = export_tpu.export_train_step(
       _config(**{"model.kda.backend": "mosaic", "mesh.context": 2,
-                 "task.seq_len": 128, "model.kda.head_dim": 128}),
-      "segment_ids")
+                 "task.seq_len": 128, "model.kda.head_dim": 128}), "v6e")
+  assert export_tpu.problems(report) == []
+  assert report.count(export_tpu.FORWARD) >= 2
 
 
 def _main(capsys, *args):
@@ -263,6 +272,7 @@ def test_tpu_variants(module):
   config = module.get_config("tpu")
   program_lib.validate_config(config)
   assert config.model.kda.backend == "mosaic"
+  assert config.model.compute_dtype == "bfloat16"
   assert (config.mesh.data, config.mesh.context) == (8, 1)
   assert config.train.batch_size % 8 == 0
   assert config.train.eval_batch_size % 8 == 0

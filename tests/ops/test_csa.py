@@ -8,6 +8,7 @@ dk = sum_{h,s} dA q. Masked cotangent entries are NaN in every gradient
 test, so a leak shows up as NaN. Errors are relative L2 (f32: <= 1e-5).
 """
 
+import contextlib
 import dataclasses
 
 import chex
@@ -19,6 +20,7 @@ import pytest
 from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.csa import pallas
+from linear_attention.ops.kda import mosaic
 
 F32_RTOL = testing.RTOL[np.dtype("float32")]
 BF16_RTOL = testing.RTOL[np.dtype("bfloat16")]
@@ -269,10 +271,14 @@ def test_bad_inputs_raise_naming_the_argument():
       call(backend="pallas")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pallas_kernels_lower_to_mosaic(dtype):
+@pytest.mark.parametrize("dtype,interpret", [("float32", False),
+                                              ("bfloat16", False),
+                                              ("float32", None)])
+def test_pallas_kernels_lower_to_mosaic(dtype, interpret):
   # No TPU here: export for the TPU platform runs the Pallas -> Mosaic
   # lowering of all three kernels (block shapes, in-kernel ops), not libtpu.
+  # interpret=None (the default: Mosaic on TPU) lowers inside
+  # mosaic.lowering_mode, where the target device is a TPU.
   dt = jnp.dtype(dtype)
   b, s, h, d, w = 2, 300, 4, 64, 200
   shapes = [jax.ShapeDtypeStruct((b, s, h, d), dt),
@@ -284,12 +290,14 @@ def test_pallas_kernels_lower_to_mosaic(dtype):
   def f(q, k, wt, qseg, kseg):
     score = lambda q, k, wt: ops.csa_streamindex_score(
         q, k, wt, softmax_scale=0.125, compress_rate=2, q_segment_ids=qseg,
-        kv_segment_ids=kseg, backend="pallas", interpret=False, block_q=128,
+        kv_segment_ids=kseg, backend="pallas", interpret=interpret, block_q=128,
         block_w=128, head_chunk=2)
     out, vjp = jax.vjp(score, q, k, wt)
     return out, vjp(jnp.zeros_like(out))
 
-  exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes)
+  with (mosaic.lowering_mode("v6e") if interpret is None
+        else contextlib.nullcontext()):
+    exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes)
   assert exported.mlir_module().count("tpu_custom_call") == 3
 
 

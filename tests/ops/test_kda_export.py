@@ -7,10 +7,12 @@ packed segments. Nothing runs; only tracing and lowering.
 """
 
 import jax
+from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import pytest
 
 from linear_attention import ops
+from linear_attention.ops import backends
 from linear_attention.ops.kda import mosaic
 
 B, T, H, K = 1, 128, 2, 128
@@ -62,3 +64,28 @@ def test_outside_the_mode_mosaic_raises_off_tpu_and_chips_parse():
   assert mosaic.chip_version("TPU_7X").name == "TPU_7X"
   with pytest.raises(ValueError, match="chip must be"):
     mosaic.chip_version("v9z")
+
+
+def test_lowering_mode_targets_the_chip_through_jax_not_a_patch():
+  # The target is JAX's abstract device; nothing in JAX or tokamax replaced.
+  lookup = pltpu.get_tpu_info
+  assert backends.resolve("auto") is backends.Backend.CHUNKED  # a CPU host
+  mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
+  with mosaic.lowering_mode("v6e", mesh) as abstract:
+    assert pltpu.get_tpu_info is lookup
+    assert pltpu.get_tpu_info().generation == 6  # from the abstract device
+    assert abstract.abstract_device.device_kind == "TPU v6 lite"
+    assert backends.resolve("auto") is backends.Backend.MOSAIC
+    assert backends.chunk_size() == 64  # the TPU's, not the host's
+    assert backends.target_platform() == "tpu"
+    assert backends.target_mesh(mesh) is abstract
+    other = jax.sharding.Mesh(jax.devices()[:4], ("data",))
+    assert backends.target_mesh(other) is other  # another shape: untouched
+  with mosaic.lowering_mode("v5p"):
+    assert pltpu.get_tpu_info().generation == 5
+    assert jax.sharding.get_abstract_mesh().abstract_device.num_cores == 2
+    assert backends.resolve("auto") is backends.Backend.CHUNKED  # before v6
+  assert backends.target_mesh(mesh) is mesh
+  assert backends.target_platform() == jax.default_backend()
+  with pytest.raises(ValueError, match="num_cores"):
+    mosaic.abstract_tpu("v6e", num_cores=3)

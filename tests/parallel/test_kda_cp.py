@@ -156,9 +156,12 @@ class ContextParallelKdaTest(parameterized.TestCase):
 class MosaicContextParallelTest(parameterized.TestCase):
   """tokamax's CP path (ContextParallelMetadata) and its limits."""
 
-  def test_interpret_mode_matches_reference(self):
+  @parameterized.named_parameters(("packed", True), ("unpacked", False))
+  def test_interpret_mode_matches_reference(self, packed):
     # tokamax's kernel in Pallas interpret mode (about a minute): 2 ranks,
-    # K = V = 128, a document crossing the split, trailing padding.
+    # K = V = 128; packed: a document crossing the split, trailing padding;
+    # unpacked: no segment_ids, the one sequence crossing the split (the
+    # adapter hands tokamax a row of ones).
     rng = np.random.default_rng(0)
     b, t, h, kd = 1, 128, 1, 128
     normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
@@ -168,7 +171,9 @@ class MosaicContextParallelTest(parameterized.TestCase):
     ids = jnp.asarray(np.repeat([1, 2, 0], [40, 70, 18])[None], jnp.int32)
     kw = dict(a_log=jnp.zeros((h,)), dt_bias=normal(h * kd) * 0.1,
               lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
-              max_num_segments=4)
+              max_num_segments=4 if packed else None)
+    if not packed:
+      ids = None
     do = normal(b, t, h, kd)
     spec = P(None, AXIS)
 
@@ -194,8 +199,6 @@ class MosaicContextParallelTest(parameterized.TestCase):
                            name=f"d{name}")
 
   @parameterized.named_parameters(
-      ("no_segments", dict(segments=False, init=False), False,
-       "segment_ids .*required"),
       ("small_dims", dict(init=False), False, "multiples of 128"),
       ("initial_state", dict(kd=128, vd=128, h=1, b=1), False,
        "initial_state is not supported"),

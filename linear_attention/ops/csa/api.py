@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from linear_attention.ops import backend_enum
+from linear_attention.ops import backends
 from linear_attention.ops.csa import pallas
 from linear_attention.ops.csa import reference
 from linear_attention.ops.csa import xla_chunked
@@ -232,7 +233,7 @@ def csa_streamindex_score_sharded(
   # check_vma=False: the backends' loops start from fresh (unvarying) zero
   # carries; every input and the output are split the same way, so the
   # per-device result is the unsharded one for its rows.
-  f = jax.shard_map(local, mesh=mesh,
+  f = jax.shard_map(local, mesh=backends.target_mesh(mesh),
                     in_specs=(spec,) * (3 + len(names)), out_specs=spec,
                     check_vma=False)
   return f(q, k_compressed, weights, *arrays.values())

@@ -57,6 +57,8 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
+from linear_attention.ops import backends
+
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_W = 512
 MAX_DEFAULT_HEAD_CHUNK = 16
@@ -384,7 +386,7 @@ def score_pallas(q, k_compressed, weights, *, softmax_scale, q_positions,
   bq, bw, hc = resolve_tiles(s, w, h, block_q=block_q, block_w=block_w,
                              head_chunk=head_chunk)
   if interpret is None:
-    if jax.default_backend() != "tpu":
+    if backends.target_platform() != "tpu":
       raise NotImplementedError(
           "backend='pallas' compiles its kernels with Mosaic, which needs a"
           f" TPU; the default device is {jax.default_backend()}. Pass"

@@ -7,7 +7,8 @@ is head-first: q, k, g [H, B, T, K], v [H, B, T, V], beta [H, B, T], states
 turns the kernel's limits into `NotImplementedError`s that name them:
 
 * TPU v6 or newer; on any device inside `interpret_mode()` (runs the kernel
-  in Pallas interpret mode) or `lowering_mode()` (exports it for a TPU);
+  in Pallas interpret mode) or `lowering_mode()` (exports it for a TPU, by
+  JAX's abstract-mesh cross-lowering: nothing patched);
 * float32 or bfloat16 inputs; K <= 256; chunk size 64;
 * without `segment_ids`, T must be a multiple of 64;
 * the fused gate needs `lower_bound` (tokamax's safe-gate form); the softplus
@@ -60,45 +61,22 @@ def off_tpu_mode() -> str | None:
 
 
 @contextlib.contextmanager
-def _as_tpu(chip, *, interpret: bool):
-  """tokamax's kernel sees `chip`'s limits and accepts the device.
-
-  tokamax 0.0.17 takes neither the chip nor interpret mode as an argument, so
-  this sets `PALLAS_INTERPRET` (interpret mode only) and patches its two
-  lookups (`get_tpu_info`, the kernel's device check) for the duration of the
-  context, and only then; its own tests patch the same two.
-  """
-  from tokamax._src.ops.kda import pallas_mosaic_tpu  # pylint: disable=g-import-not-at-top
-
-  info = pltpu.get_tpu_info_for_chip(chip_version(chip), 1)
-  old_env = os.environ.get("PALLAS_INTERPRET")
-  old_mode = off_tpu_mode()
-  if interpret:
-    os.environ["PALLAS_INTERPRET"] = "1"
-  _state.mode = "interpret" if interpret else "lowering"
-  try:
-    with mock.patch.object(pltpu, "get_tpu_info", return_value=info), \
-         mock.patch.object(
-             pallas_mosaic_tpu.PallasMosaicTpuKimiDeltaAttention,
-             "supported_on", return_value=True):
-      yield
-  finally:
-    _state.mode = old_mode
-    if old_env is None:
-      os.environ.pop("PALLAS_INTERPRET", None)
-    else:
-      os.environ["PALLAS_INTERPRET"] = old_env
-
-
-@contextlib.contextmanager
 def interpret_mode(chip="v6e"):
   """Runs tokamax's Mosaic KDA kernel in Pallas interpret mode on any device.
 
   The runtime option for `backend="mosaic"` off TPU (tests on CPU, checking
   a config's numbers before paying for a TPU): inside it, Pallas calls run in
-  interpret mode, the kernel's VMEM sizing sees the hardware info of `chip`,
-  and tokamax's device check accepts the device. The kernel code is the one a
-  TPU runs; only the lowering differs.
+  interpret mode (`PALLAS_INTERPRET`), tokamax's device check is off
+  (`tokamax.config.cross_compile`), and the kernel's VMEM sizing sees the
+  hardware info of `chip`. The kernel code is the one a TPU runs; only the
+  lowering differs.
+
+  That last part has no public hook: tokamax 0.0.17 sizes its kernel from
+  `pltpu.get_tpu_info()` at trace time, and JAX's way to name a TPU off-TPU
+  (an abstract mesh, see `lowering_mode`) forbids running anything. So this
+  test-time context replaces `pltpu.get_tpu_info` for its duration, as
+  tokamax's own tests do; `lowering_mode`, the path to a TPU, patches
+  nothing.
 
   Args:
     chip: the TPU whose limits (VMEM, lanes, sublanes) the kernel's sizing
@@ -109,33 +87,120 @@ def interpret_mode(chip="v6e"):
     None. Calls made inside may use `backend="mosaic"` on CPU. Each interpret
     call takes seconds: keep shapes small.
   """
-  with _as_tpu(chip, interpret=True):
-    yield
+  import tokamax  # pylint: disable=g-import-not-at-top
+
+  info = pltpu.get_tpu_info_for_chip(chip_version(chip), 1)
+  old_env = os.environ.get("PALLAS_INTERPRET")
+  old_mode = off_tpu_mode()
+  os.environ["PALLAS_INTERPRET"] = "1"
+  _state.mode = "interpret"
+  try:
+    with mock.patch.object(pltpu, "get_tpu_info", return_value=info), \
+         tokamax.config.cross_compile(True):
+      yield
+  finally:
+    _state.mode = old_mode
+    if old_env is None:
+      os.environ.pop("PALLAS_INTERPRET", None)
+    else:
+      os.environ["PALLAS_INTERPRET"] = old_env
+
+
+# The device kind JAX reports for each chip (jax._src.tpu_info's table).
+_DEVICE_KINDS = {
+    "TPU_V2": "TPU v2", "TPU_V3": "TPU v3", "TPU_V4": "TPU v4",
+    "TPU_V4I": "TPU v4 lite", "TPU_V5E": "TPU v5 lite", "TPU_V5P": "TPU v5",
+    "TPU_V6E": "TPU v6 lite", "TPU_7": "TPU7", "TPU_7X": "TPU7x",
+    "TPU_8I": "TPU8i", "TPU_8T": "TPU8t",
+}
+# Chips whose JAX device is a Megacore pair of TensorCores by default.
+_MEGACORE = ("TPU_V4", "TPU_V5P")
+
+
+def device_kind(chip) -> str:
+  """The `device_kind` string JAX reports on `chip` (e.g. "TPU v6 lite")."""
+  name = chip_version(chip).name
+  return _DEVICE_KINDS.get(name, name.replace("_", " "))
+
+
+def abstract_tpu(chip, num_cores: int | None = None):
+  """A `jax.sharding.AbstractDevice` standing for one device of `chip`.
+
+  Args:
+    chip: a `pltpu.ChipVersion` or a name such as "v6e", "v5p", "7x".
+    num_cores: TensorCores per JAX device; default 2 on Megacore chips (v4,
+      v5p), else 1.
+  """
+  name = chip_version(chip).name
+  if num_cores is None:
+    num_cores = 2 if name in _MEGACORE else 1
+  if num_cores not in (1, 2):
+    raise ValueError(f"num_cores must be 1 or 2; got {num_cores!r}.")
+  return jax.sharding.AbstractDevice(
+      device_kind=device_kind(chip), num_cores=num_cores, platform="tpu")
+
+
+def target_tpu():
+  """The `AbstractDevice` of the TPU being lowered for, or None.
+
+  Set by `lowering_mode` (or by any `jax.sharding.use_abstract_mesh` whose
+  mesh names a TPU device): what Pallas' Mosaic lowering sizes for.
+  """
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return device if device is not None and device.platform == "tpu" else None
 
 
 @contextlib.contextmanager
-def lowering_mode(chip="v6e"):
+def lowering_mode(chip="v6e", mesh=None, *, num_cores=None):
   """Lowers `backend="mosaic"` for a TPU `chip` from any host.
 
   Inside it, `jax.export.export(f, platforms=["tpu"])` of a function that
   calls the op with `backend="mosaic"` traces tokamax's kernel sized for
   `chip` and lowers it to Mosaic (`tpu_custom_call`s in the module), with no
-  TPU attached: check that a model lowers before paying for one. Running
-  (not exporting) such a function on a CPU inside it fails in the lowering.
+  TPU attached: check that a model lowers before paying for one. Nothing is
+  patched: the context is JAX's own cross-lowering mechanism, an abstract
+  mesh whose device is the target TPU (`jax.sharding.use_abstract_mesh`,
+  which Pallas reads the TPU's limits from), plus tokamax's
+  `tokamax.config.cross_compile` (which skips its check that the default
+  device is a TPU).
+
+  Only lowering works inside: running anything eagerly or calling a jitted
+  function on concrete arrays fails (JAX needs the platforms that
+  `jax.export` passes). Build inputs (`jax.eval_shape`, `ShapeDtypeStruct`s)
+  outside the context, and export inside it.
 
   Args:
     chip: a `pltpu.ChipVersion` or a name such as "v6e", "v5p", "7x".
+    mesh: the `jax.sharding.Mesh` the exported function's shardings and
+      `shard_map`s use, if any (its axes become the abstract mesh's, on the
+      TPU device); None for a single-device function.
+    num_cores: TensorCores per device (see `abstract_tpu`).
 
   Yields:
-    None.
+    The abstract mesh in effect.
   """
-  with _as_tpu(chip, interpret=False):
-    yield
+  import tokamax  # pylint: disable=g-import-not-at-top
+
+  device = abstract_tpu(chip, num_cores)
+  if mesh is None:
+    abstract = jax.sharding.AbstractMesh((1,), ("_tpu",),
+                                         abstract_device=device)
+  else:
+    abstract = mesh.abstract_mesh.update(abstract_device=device)
+  old_mode = off_tpu_mode()
+  _state.mode = "lowering"
+  try:
+    with jax.sharding.use_abstract_mesh(abstract), \
+         tokamax.config.cross_compile(True):
+      yield abstract
+  finally:
+    _state.mode = old_mode
 
 
 def _check_supported(q, v, *, use_gate_in_kernel, lower_bound, segment_ids):
   b, t, h, kd = q.shape
-  if jax.default_backend() != "tpu" and off_tpu_mode() is None:
+  if (jax.default_backend() != "tpu" and off_tpu_mode() is None
+      and target_tpu() is None):
     raise NotImplementedError(
         "backend='mosaic' runs tokamax's Pallas kernel, which needs a TPU v6+;"
         f" the default device is {jax.default_backend()}. On CPU, call it"
@@ -238,9 +303,6 @@ def kda_mosaic_context_parallel(
 
   kd, vd = q.shape[-1], v.shape[-1]
   limits = []
-  if segment_ids is None:
-    limits.append("segment_ids (the rank-local slice of the global ids) is"
-                  " required")
   if kd % 128 or vd % 128:
     limits.append(f"K and V must be multiples of 128 (got K={kd}, V={vd})")
   if initial_state is not None:
@@ -255,6 +317,11 @@ def kda_mosaic_context_parallel(
   _check_supported(
       q, v, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
       segment_ids=segment_ids)
+  if segment_ids is None:
+    # tokamax's CP kernel takes only packed rows: one document per row (the
+    # rank-local slice of a global row of ones) is the unpacked sequence.
+    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    max_num_segments = 1
   if max_num_segments is None:
     max_num_segments = q.shape[1]
   metadata = cp_utils.ContextParallelMetadata(
