@@ -4,8 +4,9 @@ Each process is `run_experiment.py` with the distributed flags and two
 simulated CPU devices; together they run the MQAR smoke config on a 2 x 2
 data x context mesh spanning both. The single-process run of the same
 config (in this process, on its simulated devices) is the reference: every
-logged loss and accuracy must match it, and so must a two-process run killed after step 3
-and resumed from the checkpoint both processes wrote.
+loss and accuracy a two-process run logs must match it, up to step 3 where
+the run is killed and after it resumes from the checkpoint both processes
+wrote.
 """
 
 import json
@@ -91,19 +92,18 @@ def test_two_processes_match_one_and_resume(tmp_path):
       mqar.get_config("smoke"), {"mesh.data": 2, "mesh.context": 2}), single)
   expected = _scores(single)
 
-  both = str(tmp_path / "two")
-  _two_processes(both, tmp_path)
-  _assert_same(_scores(both), expected)
-  # Only process 0 writes the run's files; both wrote the checkpoints.
-  with open(os.path.join(both, "summary.json")) as f:
-    summary = json.load(f)
-  with open(os.path.join(single, "summary.json")) as f:
-    assert summary["final_eval_accuracy"] == pytest.approx(
-        json.load(f)["final_eval_accuracy"], abs=1e-5)
-
+  # A two-process run killed after step 3, then resumed from the checkpoint
+  # both processes wrote, logs what one process logs in one go.
   killed = str(tmp_path / "killed")
   _two_processes(killed, tmp_path, "--stop_at_step=3")
   assert not os.path.exists(os.path.join(killed, "summary.json"))
   assert max(r[0] for r in _scores(killed)) == 3
+  _assert_same(_scores(killed), [r for r in expected if r[0] <= 3])
   _two_processes(killed, tmp_path)  # resumes from the step-2 checkpoint
   _assert_same(_scores(killed), expected)
+  # Only process 0 writes the run's files.
+  with open(os.path.join(killed, "summary.json")) as f:
+    summary = json.load(f)
+  with open(os.path.join(single, "summary.json")) as f:
+    assert summary["final_eval_accuracy"] == pytest.approx(
+        json.load(f)["final_eval_accuracy"], abs=1e-5)
