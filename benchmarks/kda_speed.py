@@ -25,6 +25,13 @@ temporary memory XLA's compiler plans for the computation
 Outputs of every implementation are checked against ours (relative L2) and
 the check is printed, so a fast wrong path cannot hide.
 
+`--shapes` also takes peers' benchmark names (`NAMED_SHAPES`: tokamax's
+`fixed_training_b1_t8192_bf16`, `packed_training_b1_t8192_n25_bf16` and
+fla's `B1_T8192_H96_D128` style), bf16 and, for the packed one, 25 documents
+of random lengths, so their tables can be set beside ours; `--impls` picks
+implementations, and one whose compiled plan exceeds `--max_temp_gib` is
+reported but not run.
+
 First, `--train_step=mqar` (default; `none` skips it) times the default
 experiment's whole jitted training step (model, loss, AdamW update) with
 each KDA backend and reports steps/s and tokens/s.
@@ -45,6 +52,15 @@ from linear_attention import ops
 from linear_attention import testing
 
 SHAPES = ((1, 4096, 4, 64), (1, 1024, 4, 64), (2, 2048, 8, 128))
+# Shapes by the names peers give them, so their tables can be set beside
+# ours: (B, T, H, K=V), dtype, number of packed segments (None: unpacked).
+# tokamax's KDA benchmark names; fla's `B{B}_T{T}_H{H}_D{D}` style.
+NAMED_SHAPES = {
+    "fixed_training_b1_t8192_bf16": ((1, 8192, 32, 128), "bfloat16", None),
+    "packed_training_b1_t8192_n25_bf16": ((1, 8192, 32, 128), "bfloat16",
+                                          25),
+    "B1_T8192_H96_D128": ((1, 8192, 96, 128), "bfloat16", None),
+}
 REFERENCE_MAX_T = 1024
 CHUNK = 64
 
@@ -54,7 +70,17 @@ def kda_flops(b, t, h, d, c=CHUNK):
   return b * h * (6 * t * d * d + 3 * t * c * d + t * c * c)
 
 
-def make_inputs(b, t, h, d, seed=0):
+def segment_ids(b, t, n, seed=0):
+  """[B, T] int32: `n` documents of random lengths (>= 1) per row, packed."""
+  rng = np.random.default_rng(seed)
+  ids = np.zeros((b, t), np.int32)
+  for row in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, t), n - 1, replace=False))
+    ids[row] = np.repeat(np.arange(1, n + 1), np.diff([0, *cuts, t]))
+  return jnp.asarray(ids)
+
+
+def make_inputs(b, t, h, d, seed=0, dtype="float32"):
   ks = jax.random.split(jax.random.key(seed), 6)
   q = jax.random.normal(ks[0], (b, t, h, d))
   k = jax.random.normal(ks[1], (b, t, h, d))
@@ -63,27 +89,31 @@ def make_inputs(b, t, h, d, seed=0):
   beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
   a_log = jnp.log(jax.random.uniform(ks[5], (h,), minval=1, maxval=16))
   dt_bias = jnp.zeros((h * d,))
-  return (q, k, v, g, beta, a_log, dt_bias)
+  cast = lambda x: x.astype(dtype)
+  return (cast(q), cast(k), cast(v), cast(g), cast(beta), a_log, dt_bias)
 
 
-def ours(backend):
-  def f(q, k, v, g, beta, a_log, dt_bias):
+def ours(backend, segments=None):
+  """f(q, k, v, g, beta, a_log, dt_bias[, segment_ids]) -> o."""
+  def f(q, k, v, g, beta, a_log, dt_bias, ids=None):
     o, _ = ops.kimi_delta_attention(
         q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
-        use_gate_in_kernel=True, use_qk_l2norm=True, backend=backend)
+        use_gate_in_kernel=True, use_qk_l2norm=True, backend=backend,
+        segment_ids=ids, max_num_segments=segments)
     return o
   return f
 
 
-def tokamax_impl(implementation):
+def tokamax_impl(implementation, segments=None):
   import tokamax  # pylint: disable=g-import-not-at-top
 
-  def f(q, k, v, g, beta, a_log, dt_bias):
+  def f(q, k, v, g, beta, a_log, dt_bias, ids=None):
     hf = lambda x: jnp.moveaxis(x, 2, 0)
     o, _ = tokamax.ops.kimi_delta_attention(
         hf(q), hf(k), hf(v), hf(g), jnp.moveaxis(beta, 2, 0), a_log=a_log,
         delta_time_bias=dt_bias, use_gate_in_kernel=True, lower_bound=-5.0,
-        use_qk_l2norm=True, implementation=implementation)
+        use_qk_l2norm=True, implementation=implementation, segment_ids=ids,
+        max_num_segments=segments)
     return jnp.moveaxis(o, 0, 2)
   return f
 
@@ -157,38 +187,55 @@ def temp_bytes(fn, args):
   return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def bench_shape(shape, repeats):
+def bench_shape(shape, repeats, dtype="float32", segments=None,
+                impls=("ours_chunked", "tokamax_xla_chunked", "tokamax_xla",
+                       "ours_reference"), shape_name=None,
+                modes=("forward", "forward+backward"), max_temp_gib=8.0):
   b, t, h, d = shape
-  args = make_inputs(b, t, h, d)
-  impls = {"ours_chunked": ours("chunked"),
-           "tokamax_xla_chunked": tokamax_impl("xla_chunked"),
-           "tokamax_xla": tokamax_impl("xla")}
-  if t <= REFERENCE_MAX_T:
-    impls["ours_reference"] = ours("reference")
+  args = make_inputs(b, t, h, d, dtype=dtype)
+  if segments:
+    args = (*args, segment_ids(b, t, segments))
+  makers = {"ours_chunked": lambda: ours("chunked", segments),
+            "tokamax_xla_chunked": lambda: tokamax_impl("xla_chunked",
+                                                        segments),
+            "tokamax_xla": lambda: tokamax_impl("xla", segments),
+            "ours_reference": lambda: ours("reference", segments)}
+  impls = {n: makers[n]() for n in impls
+           if n != "ours_reference" or t <= REFERENCE_MAX_T}
   rows = []
-  for mode in ("forward", "forward+backward"):
+  for mode in modes:
     fns = {n: jax.jit(f if mode == "forward" else fwd_bwd(f))
            for n, f in impls.items()}
-    outs = {n: jax.block_until_ready(fn(*args)) for n, fn in fns.items()}
     mems = {n: temp_bytes(fn, args) for n, fn in fns.items()}
+    for n, mem in mems.items():  # compiled, not run: reported, no row
+      if n != "ours_chunked" and mem is not None and mem > max_temp_gib * 2**30:
+        print(f"{n} {mode}: XLA plans {mem / 2**30:.1f} GiB of temporaries,"
+              f" over --max_temp_gib={max_temp_gib}; not run", flush=True)
+        del fns[n]
+    outs = {n: jax.block_until_ready(fn(*args)) for n, fn in fns.items()}
     # The matmul runs in every round too: its rate is paired like the ratios.
     times = time_rounds(fns, args, repeats, extra={"mm": matmul_call()})
     secs = {n: statistics.median(ts) for n, ts in times.items()}
     flops = kda_flops(b, t, h, d) * (1 if mode == "forward" else 3)
-    best_tokamax = [min(x, y) for x, y in zip(
-        times["tokamax_xla_chunked"], times["tokamax_xla"])]
+    theirs = [times[n] for n in ("tokamax_xla_chunked", "tokamax_xla")
+              if n in times]
+    best_tokamax = [min(xs) for xs in zip(*theirs)] if theirs else None
     mm_seconds_per_flop = [ts / (2 * MATMUL_N ** 3) for ts in times["mm"]]
     for name in fns:
       err = testing.relative_l2_error(
-          np.concatenate([np.ravel(x) for x in jax.tree.leaves(outs[name])]),
-          np.concatenate([np.ravel(x) for x in jax.tree.leaves(
-              outs["ours_chunked"])]))
+          np.concatenate([np.ravel(x).astype(np.float32)
+                          for x in jax.tree.leaves(outs[name])]),
+          np.concatenate([np.ravel(x).astype(np.float32)
+                          for x in jax.tree.leaves(outs["ours_chunked"])]))
       rows.append(dict(
-          shape=shape, mode=mode, impl=name, ms=secs[name] * 1e3,
+          shape=shape, name=shape_name, dtype=dtype, segments=segments,
+          mode=mode, impl=name, ms=secs[name] * 1e3,
           ms_rounds=[ts * 1e3 for ts in times[name]],
           speedup_vs_tokamax_xla_chunked=paired(
-              times["tokamax_xla_chunked"], times[name]),
-          speedup_vs_best_tokamax=paired(best_tokamax, times[name]),
+              times["tokamax_xla_chunked"], times[name])
+          if "tokamax_xla_chunked" in times else None,
+          speedup_vs_best_tokamax=None if best_tokamax is None
+          else paired(best_tokamax, times[name]),
           gflops=flops / secs[name] / 1e9,
           # achieved rate / matmul rate, per round
           matmul_fraction=paired(
@@ -249,12 +296,18 @@ def markdown(rows, mm_rate):
       " | best tokamax / this | GFLOP/s | % matmul | temp MiB | rel. err vs"
       " chunked |",
       "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  ratio = lambda x: "-" if x is None else f"{x:.2f}x"
   for r in rows:
     mem = "n/a" if r["temp_mib"] is None else f"{r['temp_mib']:.1f}"
+    shape = ", ".join(map(str, r["shape"]))
+    if r.get("name"):
+      shape = f"{r['name']} ({shape})"
+    elif r.get("dtype", "float32") != "float32":
+      shape += f" {r['dtype']}"
     lines.append(
-        f"| {', '.join(map(str, r['shape']))} | {r['mode']} | {r['impl']} |"
-        f" {r['ms']:.1f} | {r['speedup_vs_tokamax_xla_chunked']:.2f}x |"
-        f" {r['speedup_vs_best_tokamax']:.2f}x | {r['gflops']:.1f} |"
+        f"| {shape} | {r['mode']} | {r['impl']} |"
+        f" {r['ms']:.1f} | {ratio(r['speedup_vs_tokamax_xla_chunked'])} |"
+        f" {ratio(r['speedup_vs_best_tokamax'])} | {r['gflops']:.1f} |"
         f" {100 * r['matmul_fraction']:.1f}% | {mem} |"
         f" {r['rel_err_vs_ours_chunked']:.1e} |")
   return "\n".join(lines)
@@ -264,14 +317,30 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--shapes", default="all",
-                      help="'all' or e.g. '1x4096x4x64,1x1024x4x64'")
+                      help="'all', e.g. '1x4096x4x64,1x1024x4x64', or names"
+                      f" of peers' shapes: {', '.join(NAMED_SHAPES)}")
+  parser.add_argument("--impls", default="all",
+                      help="'all' or a subset of ours_chunked,"
+                      "tokamax_xla_chunked,tokamax_xla,ours_reference"
+                      " (tokamax's token scan `xla` takes minutes per call"
+                      " at the named shapes on a CPU)")
+  parser.add_argument("--modes", default="forward,forward+backward")
+  parser.add_argument("--max_temp_gib", type=float, default=8.0,
+                      help="a peer whose compiled plan needs more temporary"
+                      " memory is reported and not run")
   parser.add_argument("--out", default="benchmarks/results/kda_speed_cpu.json")
   parser.add_argument("--train_step", default="mqar",
                       help="config whose training step is timed per backend"
                       " ('mqar', 'delayed_copy' or 'none')")
   a = parser.parse_args()
-  shapes = SHAPES if a.shapes == "all" else [
-      tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+  shapes = SHAPES if a.shapes == "all" else a.shapes.split(",")
+  impls = ("ours_chunked", "tokamax_xla_chunked", "tokamax_xla",
+           "ours_reference")
+  if a.impls != "all":
+    impls = tuple(a.impls.split(","))
+    if "ours_chunked" not in impls:
+      parser.error("--impls must include ours_chunked (the outputs are"
+                   " checked against it)")
   mm_rate = matmul_gflops()
   rows, train_rows = [], []
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
@@ -291,7 +360,16 @@ def main():
     print(markdown_train(train_rows), flush=True)
     save()
   for shape in shapes:
-    rows += bench_shape(shape, a.repeats)
+    if isinstance(shape, str) and shape in NAMED_SHAPES:
+      dims, dtype, segments = NAMED_SHAPES[shape]
+      kw = dict(dtype=dtype, segments=segments, shape_name=shape)
+    else:
+      dims = shape if isinstance(shape, tuple) else tuple(
+          int(x) for x in shape.split("x"))
+      kw = {}
+    rows += bench_shape(dims, a.repeats, impls=impls,
+                        modes=tuple(a.modes.split(",")),
+                        max_temp_gib=a.max_temp_gib, **kw)
     print(markdown(rows, mm_rate), flush=True)
     save()
 
