@@ -27,10 +27,14 @@ batched pass. Every intermediate stays in cache; a whole-sequence pass makes
 each one a DRAM round trip (on the 2-core dev machine, memory past the 32 MiB
 L3 streams at ~3 GiB/s). The step is `jax.checkpoint`ed, so the backward
 recomputes a group from its inputs and state instead of storing [.., C, C]
-residuals. With segments (`segmented.chunked_core`), the same pieces run over all
-chunks at once and only the chunks' affine state maps are scanned: X_next =
+residuals. With segments, a chunk's state update is its affine map X_next =
 T_c X + R_c with T_c = Diag(exp(G_C)) - (exp(G_C - G) K)^T W and R_c =
-(exp(G_C - G) K)^T U (a segment start resets the state between them).
+(exp(G_C - G) K)^T U (a segment start resets the state between them), run
+group by group in the same checkpointed scan (`segmented.grouped_core`);
+only when final states are asked for do the pieces run over all chunks at
+once with the maps scanned (`segmented.chunked_core`: the per-segment final
+states read the carried state of any chunk, at the price of memory that
+grows with chunks x state).
 
 Numerics. Nothing overflows at any decay (a chunk of 64 tokens at
 lower_bound=-5 spans -320; pre-activated decays may go to -1000 and below):
@@ -96,10 +100,16 @@ def kda_chunked(
   if has_segments:
     cn = prep(q, k, v, g, beta, initial_state=initial_state,
               segment_ids=segment_ids)
-    o, final = segmented.chunked_core(
-        cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
-        init_given=initial_state is not None,
-        output_final_state=output_final_state, block=block, chunk=chunk)
+    if output_final_state:
+      o, final = segmented.chunked_core(
+          cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
+          init_given=initial_state is not None,
+          output_final_state=True, block=block, chunk=chunk)
+    else:
+      o = segmented.grouped_core(
+          cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
+          init_given=initial_state is not None, block=block, chunk=chunk)
+      final = cn.initial_state
   else:
     b, _, h, kd = q.shape
     init = (jnp.zeros((b, h, kd, v.shape[-1]), dtype)

@@ -1,13 +1,24 @@
-"""The packed-segment schedule: all chunks batched, affine maps scanned.
+"""The packed-segment schedules: chunk math with runs starting anywhere.
 
 A run of a segment may start anywhere inside a chunk; see
-`chunked/__init__.py` (Packed segments) and `ops/kda/common.py`.
+`chunked/__init__.py` (Packed segments) and `ops/kda/common.py`. Two
+schedules of the same math:
+
+* `grouped_core` (no final states: training): a checkpointed `lax.scan`
+  over groups of chunks, like the dense `grouped.grouped_core`; memory
+  grows with T by the carried state per group only;
+* `chunked_core` (with final states): every chunk's intra-chunk work
+  batched at once, then the affine state maps scanned; the per-segment
+  final states read the carried state of any chunk. Its temporaries grow
+  with the number of chunks times the state (5.6 GiB at T=8192, H=32,
+  K=V=128), so it is used only where final states are asked for.
 """
 
 import jax
 import jax.numpy as jnp
 
 from linear_attention.ops.kda import common
+from linear_attention.ops.kda.chunked import grouped
 from linear_attention.ops.kda.chunked import intra
 from linear_attention.ops.kda.chunked import linalg
 
@@ -118,6 +129,82 @@ def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
         init, init0, run_index, run_seg, carried, dec.G, gc, kc, v_new, cont,
         run_c, init_given, n_seg)
   return o, finals
+
+
+def grouped_core(q, k, v, g, beta, segment_ids, init, *, init_given,
+                 block, chunk):
+  """Canonical inputs with segments -> o, group by group (no final states).
+
+  The math of `chunked_core`, in a `jax.checkpoint`ed `lax.scan` over
+  groups of `grouped.group_size` chunks carrying the state [B, H, K, V]
+  that enters the group: inside a step the group's intra-chunk work is
+  batched, its chunks' affine maps applied one after another, and its
+  outputs read; the backward recomputes a group from its inputs.
+  """
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  sub, bounded = block
+  c = chunk
+  gs, ng = grouped.group_size(-(-t // c), b * h, kd, c)
+  nc = gs * ng
+  pad = nc * c - t
+
+  valid = segment_ids > 0
+  zero = lambda x: jnp.where(valid[..., None, None], x, 0.0)
+  q, k, v, g = zero(q), zero(k), zero(v), zero(g)
+  beta = jnp.where(valid[..., None], beta, 0.0)
+  if pad:  # padding joins the run before it and is a no-op
+    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
+    segment_ids = pad_t(segment_ids)
+
+  # [B, T, H, *] -> [NG, B, GS, H, C, *]
+  def to_groups(x):
+    x = jnp.moveaxis(x.reshape((b, nc, c) + x.shape[2:]), 3, 2)
+    return jnp.moveaxis(x.reshape((b, ng, gs) + x.shape[2:]), 1, 0)
+
+  qc, kc, vc, gc = map(to_groups, (q, k, v, g))
+  bc = to_groups(beta[..., None])[..., 0]  # [NG, B, GS, H, C]
+
+  run_seg, run_index, start = runs(segment_ids)
+  per_chunk = lambda x: x.reshape(b, nc, 1, c)  # broadcast over H
+  run_c, start_c, seg_c = map(per_chunk, (run_index, start, run_seg))
+  cont = (run_c == run_c[..., :1]) & ~start_c[..., :1]  # [B, NC, 1, C]
+  by_group = lambda x: jnp.moveaxis(x.reshape((b, ng, gs) + x.shape[2:]), 1,
+                                    0)
+  xs = (qc, kc, vc, gc, bc) + tuple(map(by_group, (run_c, start_c, seg_c,
+                                                   cont)))
+  init0 = jnp.concatenate([jnp.zeros_like(init[:, :1]), init], axis=1)
+
+  def step(state, group):
+    qg, kg, vg, gg, bg, run_g, start_g, seg_g, cont_g = group
+    dec = intra.intra_chunk(qg, kg, gg, run_g, start_g, True, bounded, sub)
+    w, u, q_dec, trans, bias = intra.affine_maps(qg, kg, vg, bg, dec)
+    keep = cont_g[:, :, 0, -1]  # [B, GS]: chunk-end run began earlier
+    if init_given:
+      fresh = jnp.take_along_axis(
+          init0, seg_g[:, :, 0, -1][..., None, None, None], axis=1)
+    carried = []  # the state entering each chunk of the group
+    for j in range(gs):
+      carried.append(state)
+      x = jnp.where(keep[:, j, None, None, None], state,
+                    fresh[:, j] if init_given else 0.0)
+      state = linalg.mm(trans[:, j], x) + bias[:, j]
+    carried = jnp.stack(carried, axis=1)  # [B, GS, H, K, V]
+    cont_f = cont_g[..., None].astype(qg.dtype)
+    w_x = linalg.mm(w, carried) * cont_f
+    q_x = linalg.mm(q_dec, carried) * cont_f
+    if init_given:
+      tok_seg = jnp.broadcast_to(seg_g, (b, gs, h, c))
+      w_x = w_x + (1.0 - cont_f) * _read_init(w, init0, tok_seg)
+      q_x = q_x + (1.0 - cont_f) * _read_init(q_dec, init0, tok_seg)
+    o = q_x + linalg.mm(dec.a_qk, u - w_x)  # [B, GS, H, C, V]
+    return state, jnp.moveaxis(o, 2, 3).reshape(b, gs * c, h, vd)
+
+  carry0 = common.vary_like(jnp.zeros((b, h, kd, vd), q.dtype), xs, init)
+  _, o = jax.lax.scan(jax.checkpoint(step, prevent_cse=False), carry0, xs)
+  o = jnp.moveaxis(o, 0, 1).reshape(b, nc * c, h, vd)[:, :t]
+  return jnp.where(valid[..., None, None], o, 0.0)
 
 
 def _read_init(x, init0, tok_seg):
