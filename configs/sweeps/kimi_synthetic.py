@@ -33,9 +33,13 @@ Why these sizes (the budget is about 6 CPU-hours on a 2-core machine):
   the comparison between mixers at equal size and budget.
 * every step sees 8192 tokens (batch 32 at T=256, 16 at 512, 8 at 1024), so
   a step costs about the same at every length for the recurrent mixers
-  (measured on the 2-core machine: ~0.3 s a step for KDA on one core; ~2.5x
-  that for attention at T=1024); every run stops at 600 steps or at 99%
-  held-out accuracy (evaluated every 25 steps on 4 batches).
+  (planned from ~0.3 s a step for KDA on one core; ~2.5x that for
+  attention at T=1024); every run stops at 600 steps or at 99% held-out
+  accuracy (evaluated every 25 steps on 4 batches). Measured during the
+  sweep, two workers on a 2-core machine whose f32 matmul ran at ~100
+  GFLOP/s: 1.2-1.6 s a step per worker, ~15-30 minutes a run, so the grid
+  costs ~20-40 CPU-hours there (the plan holds only on a machine about 4x
+  faster).
 * one learning rate, 3e-3 (the rate at which the repo's MQAR and
   delayed-copy runs solved their tasks for KDA and attention): the paper
   takes the best of four rates per mixer; a second rate would halve the seeds
