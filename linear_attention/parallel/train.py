@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 from linear_attention.ops import backends
 
 
-
 def shard_loss_fn(
     loss_fn: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
     mesh: jax.sharding.Mesh,
