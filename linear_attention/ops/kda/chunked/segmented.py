@@ -42,6 +42,37 @@ def runs(segment_ids):
   return run_seg, run_index, start
 
 
+def _chunks(q, k, v, g, beta, segment_ids, nc, c):
+  """Padding made a no-op, the sequence padded to `nc` chunks of `c` tokens.
+
+  Returns (valid [B, T], (qc, kc, vc, gc) [B, NC, H, C, *], bc [B, NC, H, C],
+  (run_seg, run_index) [B, NC * C] (see `runs`), and per chunk (run_c,
+  start_c, seg_c, cont) [B, NC, 1, C], cont: a token reads the carried state
+  (its run began before the chunk)).
+  """
+  b, t, h, _ = q.shape
+  valid = segment_ids > 0
+  # Padding is a no-op: no decay, no write, no read (it joins the run before).
+  zero = lambda x: jnp.where(valid[..., None, None], x, 0.0)
+  q, k, v, g = zero(q), zero(k), zero(v), zero(g)
+  beta = jnp.where(valid[..., None], beta, 0.0)
+  pad = nc * c - t
+  if pad:
+    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
+    segment_ids = pad_t(segment_ids)
+  # [B, T, H, *] -> [B, NC, H, C, *]
+  to_chunks = lambda x: jnp.moveaxis(
+      x.reshape((b, nc, c) + x.shape[2:]), 3, 2)
+  qkvg = tuple(map(to_chunks, (q, k, v, g)))
+  bc = jnp.moveaxis(beta.reshape(b, nc, c, h), 3, 2)
+  run_seg, run_index, start = runs(segment_ids)
+  per_chunk = lambda x: x.reshape(b, nc, 1, c)  # broadcast over H
+  run_c, start_c, seg_c = map(per_chunk, (run_index, start, run_seg))
+  cont = (run_c == run_c[..., :1]) & ~start_c[..., :1]
+  return valid, qkvg, bc, (run_seg, run_index), (run_c, start_c, seg_c, cont)
+
+
 def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
                   output_final_state, block, chunk):
   """Canonical inputs with segments -> (o, finals [B,N,H,K,V]).
@@ -56,29 +87,9 @@ def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
   sub, bounded = block
   c = chunk
   nc = -(-t // c)
-  pad = nc * c - t
-
-  valid = segment_ids > 0
-  # Padding is a no-op: no decay, no write, no read.
-  zero = lambda x: jnp.where(valid[..., None, None], x, 0.0)
-  q, k, v, g = zero(q), zero(k), zero(v), zero(g)
-  beta = jnp.where(valid[..., None], beta, 0.0)
-  if pad:
-    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
-    segment_ids = pad_t(segment_ids)
-
-  # [B, T, H, *] -> [B, NC, H, C, *]
-  to_chunks = lambda x: jnp.moveaxis(
-      x.reshape((b, nc, c) + x.shape[2:]), 3, 2)
-  qc, kc, vc, gc = map(to_chunks, (q, k, v, g))
-  bc = jnp.moveaxis(beta.reshape(b, nc, c, h), 3, 2)  # [B, NC, H, C]
-
-  run_seg, run_index, start = runs(segment_ids)
-  per_chunk = lambda x: x.reshape(b, nc, 1, c)  # broadcast over H
-  run_c, start_c, seg_c = map(per_chunk, (run_index, start, run_seg))
-  # A token reads the carried state iff its run began before the chunk.
-  cont = (run_c == run_c[..., :1]) & ~start_c[..., :1]  # [B, NC, 1, C]
+  valid, (qc, kc, vc, gc), bc, (run_seg, run_index), per_chunk = _chunks(
+      q, k, v, g, beta, segment_ids, nc, c)
+  run_c, start_c, seg_c, cont = per_chunk
 
   dec = intra.intra_chunk(qc, kc, gc, run_c, start_c, True, bounded, sub)
   a_qk = dec.a_qk
@@ -147,33 +158,12 @@ def grouped_core(q, k, v, g, beta, segment_ids, init, *, init_given,
   c = chunk
   gs, ng = grouped.group_size(-(-t // c), b * h, kd, c)
   nc = gs * ng
-  pad = nc * c - t
-
-  valid = segment_ids > 0
-  zero = lambda x: jnp.where(valid[..., None, None], x, 0.0)
-  q, k, v, g = zero(q), zero(k), zero(v), zero(g)
-  beta = jnp.where(valid[..., None], beta, 0.0)
-  if pad:  # padding joins the run before it and is a no-op
-    pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    q, k, v, g, beta = map(pad_t, (q, k, v, g, beta))
-    segment_ids = pad_t(segment_ids)
-
-  # [B, T, H, *] -> [NG, B, GS, H, C, *]
-  def to_groups(x):
-    x = jnp.moveaxis(x.reshape((b, nc, c) + x.shape[2:]), 3, 2)
-    return jnp.moveaxis(x.reshape((b, ng, gs) + x.shape[2:]), 1, 0)
-
-  qc, kc, vc, gc = map(to_groups, (q, k, v, g))
-  bc = to_groups(beta[..., None])[..., 0]  # [NG, B, GS, H, C]
-
-  run_seg, run_index, start = runs(segment_ids)
-  per_chunk = lambda x: x.reshape(b, nc, 1, c)  # broadcast over H
-  run_c, start_c, seg_c = map(per_chunk, (run_index, start, run_seg))
-  cont = (run_c == run_c[..., :1]) & ~start_c[..., :1]  # [B, NC, 1, C]
+  valid, qkvg, bc, _, per_chunk = _chunks(q, k, v, g, beta, segment_ids, nc,
+                                          c)
+  # [B, NC, ...] -> [NG, B, GS, ...]
   by_group = lambda x: jnp.moveaxis(x.reshape((b, ng, gs) + x.shape[2:]), 1,
                                     0)
-  xs = (qc, kc, vc, gc, bc) + tuple(map(by_group, (run_c, start_c, seg_c,
-                                                   cont)))
+  xs = tuple(map(by_group, (*qkvg, bc, *per_chunk)))
   init0 = jnp.concatenate([jnp.zeros_like(init[:, :1]), init], axis=1)
 
   def step(state, group):
