@@ -164,8 +164,8 @@ def _decode(f, params, x, cache):
 # (accelerators). Each length is one compile of the layer's forward and
 # backward (~5-10 s on a 2-core CPU), so each chunk size takes only its own
 # edges.
-SHORT_LENGTHS = {16: (1, 3, 4, 5, 15, 16, 17, 33, 70),
-                 64: (1, 3, 63, 64, 65)}
+SHORT_LENGTHS = {16: (1, 4, 5, 16, 17, 70),
+                 64: (1, 63, 64, 65)}
 
 
 @pytest.mark.slow
