@@ -125,7 +125,7 @@ def fwd_bwd(f):
   return jax.grad(loss, argnums=tuple(range(7)))
 
 
-def time_rounds(fns, args, repeats, extra=None):
+def time_rounds(fns, args, repeats, extra=None, warm_calls=0):
   """Seconds per call of each jitted fn, one list entry per round.
 
   Every round calls each fn once (and each `extra` (fn, args) pair), in an
@@ -133,6 +133,13 @@ def time_rounds(fns, args, repeats, extra=None):
   follows a large one (say tokamax `xla`'s backward, 1 GiB of temporaries)
   ran a KDA forward up to 1.8x slower, so no implementation may always take
   that place.
+
+  `warm_calls` untimed calls of the same fn precede each timed one, so it is
+  timed the way a training loop runs it, back to back. Without them a call
+  may start with XLA:CPU's second worker thread asleep (after an idle spell
+  or a long single-threaded call): our forward, a chain of small operations
+  handed between threads, then takes up to 2x as long (docs/performance.md,
+  "Why the forward's time is bimodal").
   """
   calls = {name: (fn, args) for name, fn in fns.items()}
   calls.update(extra or {})
@@ -142,6 +149,8 @@ def time_rounds(fns, args, repeats, extra=None):
     shift = r % len(names)
     for name in names[shift:] + names[:shift]:
       fn, fn_args = calls[name]
+      for _ in range(warm_calls):
+        jax.block_until_ready(fn(*fn_args))
       start = time.perf_counter()
       jax.block_until_ready(fn(*fn_args))
       times[name].append(time.perf_counter() - start)
@@ -190,7 +199,8 @@ def temp_bytes(fn, args):
 def bench_shape(shape, repeats, dtype="float32", segments=None,
                 impls=("ours_chunked", "tokamax_xla_chunked", "tokamax_xla",
                        "ours_reference"), shape_name=None,
-                modes=("forward", "forward+backward"), max_temp_gib=8.0):
+                modes=("forward", "forward+backward"), max_temp_gib=8.0,
+                warm_calls=0):
   b, t, h, d = shape
   args = make_inputs(b, t, h, d, dtype=dtype)
   if segments:
@@ -214,7 +224,8 @@ def bench_shape(shape, repeats, dtype="float32", segments=None,
         del fns[n]
     outs = {n: jax.block_until_ready(fn(*args)) for n, fn in fns.items()}
     # The matmul runs in every round too: its rate is paired like the ratios.
-    times = time_rounds(fns, args, repeats, extra={"mm": matmul_call()})
+    times = time_rounds(fns, args, repeats, extra={"mm": matmul_call()},
+                        warm_calls=warm_calls)
     secs = {n: statistics.median(ts) for n, ts in times.items()}
     flops = kda_flops(b, t, h, d) * (1 if mode == "forward" else 3)
     theirs = [times[n] for n in ("tokamax_xla_chunked", "tokamax_xla")
@@ -242,7 +253,7 @@ def bench_shape(shape, repeats, dtype="float32", segments=None,
               [flops * m for m in mm_seconds_per_flop], times[name]),
           matmul_gflops=2 * MATMUL_N ** 3 / secs["mm"] / 1e9,
           temp_mib=None if mems[name] is None else mems[name] / 2**20,
-          rel_err_vs_ours_chunked=err))
+          rel_err_vs_ours_chunked=err, warm_calls=warm_calls))
   return rows
 
 
@@ -290,7 +301,10 @@ def markdown_train(rows):
 def markdown(rows, mm_rate):
   lines = [
       f"f32 matmul rate (2048^3, same process, best of 5): {mm_rate:.0f}"
-      " GFLOP/s; ratios and `% matmul` are medians of per-round ratios",
+      " GFLOP/s; ratios and `% matmul` are medians of per-round ratios"
+      + "".join(sorted({f"; each timed call after {r['warm_calls']} untimed"
+                        " call(s) of the same implementation"
+                        for r in rows if r.get("warm_calls")})),
       "",
       "| B, T, H, K | pass | implementation | ms | tokamax xla_chunked / this"
       " | best tokamax / this | GFLOP/s | % matmul | temp MiB | rel. err vs"
@@ -328,6 +342,10 @@ def main():
   parser.add_argument("--max_temp_gib", type=float, default=8.0,
                       help="a peer whose compiled plan needs more temporary"
                       " memory is reported and not run")
+  parser.add_argument("--warm_calls", type=int, default=0,
+                      help="untimed calls of the same implementation before"
+                      " each timed one (back to back, as in a training"
+                      " loop); 0 times each call between the others'")
   parser.add_argument("--out", default="benchmarks/results/kda_speed_cpu.json")
   parser.add_argument("--train_step", default="mqar",
                       help="config whose training step is timed per backend"
@@ -369,7 +387,8 @@ def main():
       kw = {}
     rows += bench_shape(dims, a.repeats, impls=impls,
                         modes=tuple(a.modes.split(",")),
-                        max_temp_gib=a.max_temp_gib, **kw)
+                        max_temp_gib=a.max_temp_gib,
+                        warm_calls=a.warm_calls, **kw)
     print(markdown(rows, mm_rate), flush=True)
     save()
 

@@ -34,6 +34,21 @@ class TimingTest(absltest.TestCase):
     # The order rotates: each name leads one round.
     self.assertEqual([calls[i] for i in (0, 3, 6)], ["a", "b", "mm"])
 
+  def test_warm_calls_precede_each_timed_call(self):
+    calls = []
+
+    def fn(name):
+      def f(x):
+        calls.append(name)
+        return x
+      return f
+
+    times = kda_speed.time_rounds(
+        {"a": fn("a"), "b": fn("b")}, (jnp.zeros(()),), repeats=2,
+        warm_calls=2)
+    self.assertEqual({n: len(ts) for n, ts in times.items()}, {"a": 2, "b": 2})
+    self.assertEqual(calls, ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3)
+
 
 if __name__ == "__main__":
   absltest.main()
