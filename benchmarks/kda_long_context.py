@@ -56,7 +56,7 @@ IMPLS = {"ours_chunked": lambda: kda_speed.ours("chunked"),
          "attention": lambda: attention}
 
 
-def bench_op(lengths, repeats, max_temp_gib):
+def bench_op(lengths, repeats, max_temp_gib, warm_calls=0):
   rows = []
   for t in lengths:
     args = kda_speed.make_inputs(SHAPE["b"], t, SHAPE["h"], SHAPE["d"])
@@ -70,7 +70,8 @@ def bench_op(lengths, repeats, max_temp_gib):
           fns[name] = fn
       for fn in fns.values():
         jax.block_until_ready(fn(*args))  # compile and warm up
-      times = kda_speed.time_rounds(fns, args, repeats)
+      times = kda_speed.time_rounds(fns, args, repeats,
+                                    warm_calls=warm_calls)
       for name in IMPLS:
         secs = statistics.median(times[name]) if name in times else None
         best = min(times[name]) if name in times else None
@@ -87,7 +88,7 @@ def bench_op(lengths, repeats, max_temp_gib):
   return rows
 
 
-def bench_train(lengths, repeats):
+def bench_train(lengths, repeats, warm_calls=0):
   """ms per step of the MQAR model's train step, kda vs attention mixers."""
   # Imported here: the op benchmark does not need the experiment stack.
   from configs import common as config_lib  # pylint: disable=g-import-not-at-top
@@ -110,7 +111,8 @@ def bench_train(lengths, repeats):
       fns[mixer] = prog.train_step
       jax.block_until_ready(prog.train_step(*inputs[mixer]))  # compile
     extra = {m: (fns[m], inputs[m]) for m in fns}
-    times = kda_speed.time_rounds({}, (), repeats, extra=extra)
+    times = kda_speed.time_rounds({}, (), repeats, extra=extra,
+                                  warm_calls=warm_calls)
     rows.append(dict(
         t=t, batch=TRAIN_TOKENS // t,
         kda_ms=statistics.median(times["kda"]) * 1e3,
@@ -254,6 +256,9 @@ def main():
                       default=",".join(map(str, TRAIN_LENGTHS)),
                       help="'' skips the training-step crossover")
   parser.add_argument("--max_temp_gib", type=float, default=8.0)
+  parser.add_argument("--warm_calls", type=int, default=0,
+                      help="untimed calls of the same implementation before"
+                      " each timed one (`kda_speed.time_rounds`)")
   parser.add_argument("--out",
                       default="benchmarks/results/kda_long_context_cpu.json")
   parser.add_argument("--render", action="store_true",
@@ -273,17 +278,19 @@ def main():
                              cpu_count=os.cpu_count(),
                              device=str(jax.devices()[0]),
                              jax=jax.__version__),
-                matmul_gflops=kda_speed.matmul_gflops(), shape=SHAPE)
+                matmul_gflops=kda_speed.matmul_gflops(), shape=SHAPE,
+                warm_calls=a.warm_calls)
 
   def save():  # after every piece, so an interrupted run keeps the rest
     with open(a.out, "w") as f:
       json.dump(result, f, indent=1)
 
-  result["op"] = bench_op(lengths, a.repeats, a.max_temp_gib)
+  result["op"] = bench_op(lengths, a.repeats, a.max_temp_gib, a.warm_calls)
   result["summary"] = summary(result["op"])
   save()
   if train_lengths:
-    result["train_step"] = bench_train(train_lengths, a.repeats)
+    result["train_step"] = bench_train(train_lengths, a.repeats,
+                                       a.warm_calls)
     result["crossover_t"] = crossover(result["train_step"])
     save()
   write_outputs(result, os.path.splitext(a.out)[0])
