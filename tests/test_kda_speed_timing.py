@@ -6,6 +6,19 @@ import jax.numpy as jnp
 from benchmarks import kda_speed
 
 
+def _recorder():
+  """(calls, fn): fn(name) is an identity that appends name to calls."""
+  calls = []
+
+  def fn(name):
+    def f(x):
+      calls.append(name)
+      return x
+    return f
+
+  return calls, fn
+
+
 class TimingTest(absltest.TestCase):
 
   def test_paired_is_the_median_of_per_round_ratios(self):
@@ -18,14 +31,7 @@ class TimingTest(absltest.TestCase):
                            2.0)
 
   def test_time_rounds_calls_everything_once_a_round(self):
-    calls = []
-
-    def fn(name):
-      def f(x):
-        calls.append(name)
-        return x
-      return f
-
+    calls, fn = _recorder()
     times = kda_speed.time_rounds(
         {"a": fn("a"), "b": fn("b")}, (jnp.zeros(()),), repeats=3,
         extra={"mm": (fn("mm"), (jnp.ones(()),))})
@@ -35,14 +41,7 @@ class TimingTest(absltest.TestCase):
     self.assertEqual([calls[i] for i in (0, 3, 6)], ["a", "b", "mm"])
 
   def test_warm_calls_precede_each_timed_call(self):
-    calls = []
-
-    def fn(name):
-      def f(x):
-        calls.append(name)
-        return x
-      return f
-
+    calls, fn = _recorder()
     times = kda_speed.time_rounds(
         {"a": fn("a"), "b": fn("b")}, (jnp.zeros(()),), repeats=2,
         warm_calls=2)
