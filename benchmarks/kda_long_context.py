@@ -16,7 +16,8 @@ Two measurements, one process:
    seconds that move a median of 5 by up to 2x, and a length's best round is
    the least disturbed), and the temporary memory XLA plans for the
    compiled computation (`memory_analysis().temp_size_in_bytes`;
-   deterministic). An implementation whose plan exceeds `--max_temp_gib`
+   deterministic). `--warm_calls=1` times each call right after an untimed
+   call of the same implementation, as a training loop runs it. An implementation whose plan exceeds `--max_temp_gib`
    is compiled but not run (its memory is still reported): softmax
    attention's [T, T] scores reach 256 GiB at 64K.
 2. The crossover. The experiment model (configs/mqar.py: 2 layers, width
@@ -236,7 +237,11 @@ def write_outputs(result, base):
   with open(base + ".md", "w") as f:
     f.write(f"Machine: {result['machine']['platform']},"
             f" {result['machine']['cpu_count']} CPUs, f32 matmul"
-            f" {result['matmul_gflops']:.0f} GFLOP/s (2048^3).\n\n")
+            f" {result['matmul_gflops']:.0f} GFLOP/s (2048^3).")
+    if result.get("warm_calls"):
+      f.write(f" Each timed call after {result['warm_calls']} untimed"
+              " call(s) of the same implementation (back to back).")
+    f.write("\n\n")
     f.write(markdown_op(result["op"]) + "\n\n")
     for k, v in result["summary"].items():
       f.write(f"* {k}: {v:.2f}\n")

@@ -22,6 +22,11 @@ rate, paired the same way; and the peak
 temporary memory XLA's compiler plans for the computation
 (`compiled.memory_analysis()`; deterministic, unlike a timing).
 
+`--warm_calls=1` times each call right after an untimed call of the same
+implementation (back to back, as a training loop runs it); without it a
+call may start with XLA:CPU's second thread asleep, which costs our forward
+up to 2x (docs/performance.md).
+
 Outputs of every implementation are checked against ours (relative L2) and
 the check is printed, so a fast wrong path cannot hide.
 
@@ -157,10 +162,10 @@ def time_rounds(fns, args, repeats, extra=None, warm_calls=0):
   return times
 
 
-def time_many(fns, args, repeats):
+def time_many(fns, args, repeats, warm_calls=0):
   """Median seconds per call of each jitted fn, interleaved (`time_rounds`)."""
-  return {name: statistics.median(ts)
-          for name, ts in time_rounds(fns, args, repeats).items()}
+  return {name: statistics.median(ts) for name, ts in time_rounds(
+      fns, args, repeats, warm_calls=warm_calls).items()}
 
 
 def paired(numerator, denominator):
@@ -257,7 +262,7 @@ def bench_shape(shape, repeats, dtype="float32", segments=None,
   return rows
 
 
-def bench_train_step(repeats, config_name="mqar"):
+def bench_train_step(repeats, config_name="mqar", warm_calls=0):
   """Steps/s and tokens/s of the default experiment's jitted training step.
 
   The config file's own model, batch and sequence length (configs/mqar.py:
@@ -282,7 +287,7 @@ def bench_train_step(repeats, config_name="mqar"):
       inputs = (params, prog.optimizer.init(params), batch)
     fns[backend] = prog.train_step
     jax.block_until_ready(prog.train_step(*inputs))  # compile
-  secs = time_many(fns, inputs, repeats)
+  secs = time_many(fns, inputs, repeats, warm_calls)
   tokens = base.train.batch_size * base.task.seq_len
   return [dict(config=config_name, backend=name, ms=s * 1e3,
                steps_per_second=1 / s, tokens_per_second=tokens / s)
@@ -374,7 +379,7 @@ def main():
     print(f"\nwrote {a.out}", flush=True)
 
   if a.train_step != "none":
-    train_rows = bench_train_step(a.repeats, a.train_step)
+    train_rows = bench_train_step(a.repeats, a.train_step, a.warm_calls)
     print(markdown_train(train_rows), flush=True)
     save()
   for shape in shapes:
