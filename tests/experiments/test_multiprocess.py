@@ -23,8 +23,10 @@ from experiments import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
+# The `reference` backend compiles fastest; the chunked backend on a mesh is
+# the business of tests/parallel and tests/experiments/test_run.py.
 CONFIG = ("--config=configs/mqar.py:smoke", "--config.mesh.data=2",
-          "--config.mesh.context=2")
+          "--config.mesh.context=2", "--config.model.kda.backend=reference")
 TIMEOUT = 600
 
 
@@ -89,7 +91,8 @@ def _assert_same(actual, expected):
 def test_two_processes_match_one_and_resume(tmp_path):
   single = str(tmp_path / "single")
   train.train_and_evaluate(config_lib.apply_diff(
-      mqar.get_config("smoke"), {"mesh.data": 2, "mesh.context": 2}), single)
+      mqar.get_config("smoke"), {"mesh.data": 2, "mesh.context": 2,
+                                  "model.kda.backend": "reference"}), single)
   expected = _scores(single)
 
   # A two-process run killed after step 3, then resumed from the checkpoint
