@@ -19,7 +19,9 @@ A sweep config (e.g. configs/sweeps/kimi_synthetic.py) holds
 `expand(sweep)` lists the runs; `run_sweep` trains every run that has no
 `summary.json` yet into `<workdir>/<task>_T<len>/<mixer>_seed<s>_lr<lr>/`
 (each an ordinary, resumable run directory), so a killed sweep continues
-where it stopped. Several processes may work on one workdir at once: each
+where it stopped; a run directory that holds a run of a different config
+(the sweep config was edited) stops the sweep and its aggregation with a
+ValueError naming the runs and fields. Several processes may work on one workdir at once: each
 run is claimed by creating `<run dir>.lock` (holding the claimer's pid);
 a lock whose process is gone is taken over.
 
@@ -27,7 +29,8 @@ a lock whose process is gone is taken over.
 record per cell), `results.md` (one row per (task, length, mixer): mean, min
 and max over seeds of the best held-out accuracy and of the steps to 99%;
 with `train.eval_lengths`, a second table of the final parameters' accuracy
-at each evaluation length, and `length_generalisation.png`) and two figures: `accuracy_vs_length.png` (per task, mean with a min-max
+at each evaluation length, and `length_generalisation.png`) and two
+figures: `accuracy_vs_length.png` (per task, mean with a min-max
 band over seeds) and `curves_T<len>.png` (held-out accuracy against step at
 one length, mean and band). With several learning rates a cell reports the
 rate whose mean best accuracy over seeds is highest (the protocol of
@@ -194,6 +197,26 @@ def is_done(run_dir: str) -> bool:
           or os.path.exists(os.path.join(run_dir, "error.json")))
 
 
+def check_workdir(runs: Sequence[Run], workdir: str) -> None:
+  """Raises ValueError if a run directory holds a run of another config.
+
+  A sweep config edited after some runs finished would otherwise count
+  those runs (or resume their checkpoints) as runs of the edited config.
+  """
+  stale = []
+  for run in runs:
+    diff = train.config_differences(os.path.join(workdir, run.name),
+                                    run.config)
+    if diff:
+      stale.append(f"{run.name} ({'; '.join(diff)})")
+  if stale:
+    more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
+    raise ValueError(
+        f"workdir {workdir} holds runs of a different config than the"
+        f" sweep's: {', '.join(stale[:3])}{more}. Use a new workdir for the"
+        " edited sweep, or remove those runs to retrain them.")
+
+
 def run_sweep(sweep, workdir: str, *, only: str | None = None) -> list[Run]:
   """Trains every unfinished run (whose name contains `only`, if given).
 
@@ -205,6 +228,7 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None) -> list[Run]:
   runs = [r for r in expand(sweep) if only is None or only in r.name]
   if not runs:
     raise ValueError(f"no run of the sweep matches {only!r}.")
+  check_workdir(runs, workdir)
   todo = [r for r in runs if not is_done(os.path.join(workdir, r.name))]
   logging.info("Sweep: %d runs, %d done, %d to do.", len(runs),
                len(runs) - len(todo), len(todo))
@@ -273,6 +297,7 @@ def aggregate(sweep, workdir: str, *,
   partial sweep's tables say what is missing.
   """
   runs = expand(sweep)
+  check_workdir(runs, workdir)
   found = []
   for run in runs:
     summary = _read_run(os.path.join(workdir, run.name))

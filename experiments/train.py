@@ -33,6 +33,9 @@ from `tasks.rng(seed, TRAIN_STREAM, s)`, the held-out set from the separate
 `EVAL_STREAM`. Rerunning with the same workdir restores the latest checkpoint,
 drops metrics logged after it and continues, so a killed run loses at most
 one checkpoint interval and ends with the same metrics as an uninterrupted one.
+A workdir resumes only with the config it was started with (ValueError naming
+the changed fields otherwise); the backend, the mesh and the logging and
+checkpoint intervals may change (`RESUMABLE_FIELDS`).
 """
 
 import json
@@ -107,6 +110,65 @@ def _finished_summary(workdir: str, ckpt) -> dict[str, Any] | None:
   return previous if previous.get("steps") == ckpt.latest_step() else None
 
 
+# Fields that may change between a run and its resumption: where and how it
+# runs, not what it computes (the backends are the same op; the mesh splits
+# the same batch), and how often it logs or saves.
+RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
+                    "train.log_every", "train.checkpoint_every")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if isinstance(tree, dict):
+    out = {}
+    for key, value in tree.items():
+      out.update(_flatten(value, f"{prefix}{key}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def config_differences(workdir: str,
+                       config: ml_collections.ConfigDict) -> list[str]:
+  """The fields where `workdir`'s config.json and `config` disagree.
+
+  One "field: stored -> new" line per difference, outside RESUMABLE_FIELDS;
+  empty when the workdir has no config.json. Only fields both sides know are
+  compared: one the code gained or dropped since the run was written is a
+  change of code, not of config (runs record their commit for that).
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    stored = _flatten(json.load(f))
+  new = _flatten(json.loads(config.to_json_best_effort()))
+  lines = []
+  for key in sorted(set(stored) & set(new)):
+    if key in RESUMABLE_FIELDS:
+      continue
+    old_value, new_value = stored[key], new[key]
+    if isinstance(old_value, list):
+      old_value = tuple(old_value)
+    if isinstance(new_value, list):
+      new_value = tuple(new_value)
+    if old_value != new_value:
+      lines.append(f"{key}: {old_value!r} -> {new_value!r}")
+  return lines
+
+
+def check_resumable(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError if `workdir` holds a run of a different config.
+
+  Resuming another config's checkpoint (or counting its finished summary as
+  this config's) would mix two experiments in one record.
+  """
+  diff = config_differences(workdir, config)
+  if diff:
+    raise ValueError(
+        f"workdir {workdir} holds a run of a different config ("
+        + "; ".join(diff) + "): use a new workdir, or remove that run to"
+        " retrain it.")
+
+
 def _log_train(log, schedule, m, step, done, total, window, b, t) -> None:
   now = time.time()
   sps = window[1] / max(now - window[0], 1e-9)
@@ -171,6 +233,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   tr = config.train
   prog = program_lib.build_program(config)
   task = prog.task
+  check_resumable(workdir, config)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True))

@@ -88,6 +88,23 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
   train.train_and_evaluate(config, killed, stop_at_step=stop)
   assert not os.path.exists(os.path.join(killed, "summary.json"))
   assert max(r["step"] for r in _records(killed)) == stop
+  # Another config does not resume this run's checkpoint, and leaves it be.
+  before = _records(killed)
+  other = config_lib.apply_diff(config, {"train.learning_rate": 1e-3})
+  with pytest.raises(ValueError, match=r"train.learning_rate: 0.003 -> 0.001"):
+    train.train_and_evaluate(other, killed)
+  assert _records(killed) == before
+  # A field the stored config lacks (older code) is not a difference; the
+  # backend and the logging interval may change.
+  path = os.path.join(killed, "config.json")
+  with open(path) as f:
+    stored = json.load(f)
+  del stored["train"]["eval_lengths"]
+  with open(path, "w") as f:
+    json.dump(stored, f)
+  moved = config_lib.apply_diff(config, {"model.kda.backend": "reference",
+                                         "train.log_every": 5})
+  assert train.config_differences(killed, moved) == []
   summary = train.train_and_evaluate(config, killed)
   assert summary["steps_trained_this_run"] == n - (stop // every) * every
   assert _scores(killed) == _scores(str(tmp_path / "straight"))

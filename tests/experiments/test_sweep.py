@@ -111,6 +111,22 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
     md = f.read()
   assert "2 of 13 runs finished" in md and "| stack | 32 | kda |" in md
 
+  # An edited sweep does not count (or resume) the old config's runs ...
+  edited = sweep.copy_and_resolve_references()
+  edited.unlock()
+  edited.cells = (dict(edited.cells[0], num_steps=8),) + edited.cells[1:]
+  for call in (lambda: sweep_lib.run_sweep(edited, workdir, only=only),
+               lambda: sweep_lib.aggregate(edited, workdir)):
+    with pytest.raises(ValueError, match=r"stack_T32/kda_seed0_lr0.003 \("
+                       r"train.num_steps: 4 -> 8\)"):
+      call()
+  # ... but where and how often it logs may change.
+  edited = sweep.copy_and_resolve_references()
+  edited.unlock()
+  edited.base.train.log_every = 3
+  edited.base.model.kda.backend = "reference"
+  assert sweep_lib.run_sweep(edited, workdir, only=only) == []
+
 
 def test_parity_sweep_runs_variants_and_tabulates_lengths(tmp_path):
   sweep = sweep_parity.get_config("smoke")
