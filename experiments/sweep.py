@@ -9,8 +9,12 @@ on one workdir (each claims a run through a lock file); every process writes
 results.md, results.json and the figures when it has nothing left to train.
 `--only` keeps the runs whose name contains the string (a cell
 `mqar_T512/`, a mixer `/gdn_`, one run `mqar_T512/kda_seed1_lr0.003`).
-`--list` prints the runs and whether each is done. Flags are read here and
-nowhere else; see experiments/sweep_lib.py for the layout.
+`--list` prints the runs and whether each is done. `--recall` trains
+nothing: it bins the held-out accuracy of every finished Palindrome, MQAR
+and Stack run by lag (how far back the answer was written) and writes
+recall_vs_lag.json and recall_vs_lag_<task>.png (experiments/recall.py).
+Flags are read here and nowhere else; see experiments/sweep_lib.py for the
+layout.
 """
 
 import os
@@ -20,6 +24,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import recall
 from experiments import sweep_lib
 from experiments import train
 
@@ -33,6 +38,12 @@ _AGGREGATE_ONLY = flags.DEFINE_bool(
     "aggregate_only", False, "Train nothing; write the results of the"
     " finished runs.")
 _LIST = flags.DEFINE_bool("list", False, "Print the runs and exit.")
+_RECALL = flags.DEFINE_bool(
+    "recall", False, "Train nothing; write the finished runs' accuracy"
+    " against lag (recall_vs_lag.json, recall_vs_lag_<task>.png).")
+_RECALL_BATCHES = flags.DEFINE_integer(
+    "recall_batches", None, "Held-out batches per run for --recall (default:"
+    " the run's train.eval_batches, the set behind its reported accuracy).")
 
 
 def _code_version() -> str:
@@ -63,6 +74,15 @@ def main(argv):
         print(f"{'done' if done else 'todo'}  {run.name}")
     return
   train.quiet_orbax_logs()
+  if _RECALL.value:
+    runs = [r for r in sweep_lib.expand(sweep)
+            if _ONLY.value is None or _ONLY.value in r.name]
+    sweep_lib.check_workdir(runs, workdir)
+    out = recall.sweep_recall_profiles(
+        sweep, workdir, runs, eval_batches=_RECALL_BATCHES.value,
+        metadata=dict(commit=_code_version()))
+    print(f"Profiled {len(out['runs'])} runs into {workdir}.")
+    return
   if not _AGGREGATE_ONLY.value:
     sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value)
   results = sweep_lib.aggregate(

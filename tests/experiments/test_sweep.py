@@ -111,6 +111,34 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
     md = f.read()
   assert "2 of 13 runs finished" in md and "| stack | 32 | kda |" in md
 
+  # Recall against lag (the CLI): every run's bins add up to its held-out
+  # accuracy; the cell's band spans its seeds.
+  subprocess.run(
+      [sys.executable, "-m", "experiments.sweep",
+       "--config=configs/sweeps/kimi_synthetic.py:smoke",
+       f"--workdir={workdir}", "--recall", f"--only={only}"],
+      cwd=REPO, capture_output=True, text=True, check=True)
+  with open(os.path.join(workdir, "recall_vs_lag.json")) as f:
+    prof = json.load(f)
+  assert sorted(prof["runs"]) == [r.name for r in trained]
+  per_seed = []
+  for r in trained:
+    with open(os.path.join(workdir, r.name, "summary.json")) as f:
+      final = json.load(f)["final_eval_accuracy"]
+    p = prof["runs"][r.name]
+    assert sum(p["correct"]) / sum(p["count"]) == pytest.approx(final)
+    per_seed.append([c / n if n else np.nan
+                     for c, n in zip(p["correct"], p["count"])])
+  (cell,) = prof["cells"]
+  assert cell["seeds"] == 2 and cell["mixer"] == "kda"
+  for k, mean in enumerate(cell["mean"]):
+    column = [a[k] for a in per_seed if not np.isnan(a[k])]
+    assert (mean is None) == (not column)
+    if column:
+      assert mean == pytest.approx(np.mean(column))
+      assert cell["min"][k] == pytest.approx(min(column))
+  assert os.path.isfile(os.path.join(workdir, "recall_vs_lag_stack.png"))
+
   # An edited sweep does not count (or resume) the old config's runs ...
   edited = sweep.copy_and_resolve_references()
   edited.unlock()

@@ -1,0 +1,228 @@
+"""Recall against lag: how far back a trained model finds its answers.
+
+A recall task scores a position whose answer is a token written earlier in
+the same sequence; its *lag* is the distance back to that token:
+
+* `palindrome`: the target x_{L-j} at position L + j was written at
+  position L - j - 1, a lag of 2 j + 1 (1 .. 2 L - 1);
+* `mqar`: the value of the queried key sits right after the key in the
+  context; the lag runs from the query back to that value token;
+* `stack`: the popped value was written by its PUSH (the `x` of
+  `PUSH id x`); the lag runs from the POP's id token back to it.
+
+`answer_positions(task, batch)` recovers those positions from the inputs
+alone (-1 where a position is not scored), `recall_profile(run_dir)` runs a
+finished run's final parameters on its held-out set and bins held-out
+accuracy by lag (bins [2^k, 2^(k+1))), and `sweep_recall_profiles` does that
+for every finished run of a sweep, writes `recall_vs_lag.json` (per run and
+per cell: mean, min and max over seeds in every bin) and one figure per task,
+`recall_vs_lag_<task>.png` (a panel per length, a line and band per mixer).
+
+Where a cell's mean accuracy sits near chance this says whether the model
+recalls nothing or only the recent part (the first reversed symbols of a
+palindrome, the queries right after the context): a memory's reach, which a
+bounded recurrent state has and attention does not need.
+
+CLI: `python -m experiments.sweep --config=... --workdir=... --recall`.
+"""
+
+import json
+import os
+import warnings
+from typing import Any, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+
+from experiments import checkpoints
+from experiments import plotting
+from experiments import program as program_lib
+from experiments import tasks as tasks_lib
+from experiments.tasks import stack as stack_lib
+
+RECALL_TASKS = ("palindrome", "mqar", "stack")
+
+
+def answer_positions(task, batch) -> np.ndarray:
+  """[B, T] int: where each scored position's answer was written, else -1.
+
+  Computed from `batch.inputs` and the task's layout, not from the targets.
+  """
+  inputs, mask = np.asarray(batch.inputs), np.asarray(batch.mask) > 0
+  b, t = inputs.shape
+  out = np.full((b, t), -1, np.int64)
+  if task.name == "palindrome":
+    half = task.num_symbols
+    j = np.arange(t) - half  # position half + j answers with x_{half - j}
+    src = np.where((j >= 0) & (j < half), half - j - 1, -1)
+    out[:] = src[None]
+  elif task.name == "mqar":
+    context = 2 * task.num_pairs
+    for i in range(b):
+      first = {}
+      for p in range(0, context, 2):  # keys at even context positions
+        first.setdefault(int(inputs[i, p]), p)
+      for q in np.flatnonzero(mask[i]):
+        out[i, q] = first[int(inputs[i, q])] + 1  # the value after the key
+  elif task.name == "stack":
+    for i in range(b):
+      stacks: dict[int, list[int]] = {}
+      p = 0
+      while p < t:
+        op = inputs[i, p]
+        if op == stack_lib.PUSH and p + 2 < t:
+          stacks.setdefault(int(inputs[i, p + 1]), []).append(p + 2)
+          p += 3
+        elif op == stack_lib.POP and p + 1 < t:
+          out[i, p + 1] = stacks[int(inputs[i, p + 1])].pop()
+          p += 2
+        else:
+          p += 1
+  else:
+    raise ValueError(f"task.name must be one of {RECALL_TASKS} for a recall"
+                     f" profile; got {task.name!r}.")
+  out[~mask] = -1
+  return out
+
+
+def _bin_edges(seq_len: int) -> np.ndarray:
+  """1, 2, 4, ... up to the first power of two >= seq_len."""
+  return 2 ** np.arange(int(np.ceil(np.log2(max(seq_len, 2)))) + 1)
+
+
+def _final_params(config, run_dir: str, prog):
+  params = prog.init(jax.random.key(config.seed),
+                     np.zeros((1, prog.task.seq_len), np.int32))
+  opt_state = prog.init_opt(params)
+  ckpt = checkpoints.manager(run_dir)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise ValueError(f"run {run_dir} has no checkpoint to profile.")
+    params, _ = checkpoints.restore(ckpt, step, params, opt_state)
+  finally:
+    ckpt.close()
+  return params, step
+
+
+def recall_profile(config, run_dir: str, *,
+                   eval_batches: int | None = None) -> dict[str, Any]:
+  """Held-out accuracy of the run's last checkpoint, binned by lag.
+
+  Args:
+    config: the run's config (a sweep run's `Run.config`).
+    run_dir: the run directory (its checkpoints are read).
+    eval_batches: held-out batches (default `train.eval_batches`: the set
+      behind the run's reported accuracy).
+
+  Returns:
+    dict(step, accuracy (overall), lag_edges, correct, count): per lag bin
+    [edges[k], edges[k + 1]) the number of correct and of scored positions.
+  """
+  task = tasks_lib.make_task(**config.task.to_dict())
+  if task.name not in RECALL_TASKS:
+    raise ValueError(f"task.name must be one of {RECALL_TASKS} for a recall"
+                     f" profile; got {task.name!r}.")
+  tr = config.train
+  n = tr.eval_batches if eval_batches is None else eval_batches
+  with program_lib.backend_context(config):
+    prog = program_lib.build_program(config)
+    params, step = _final_params(config, run_dir, prog)
+    apply = jax.jit(prog.model.apply)
+    edges = _bin_edges(task.seq_len)
+    correct = np.zeros(len(edges) - 1, np.int64)
+    count = np.zeros(len(edges) - 1, np.int64)
+    for i in range(n):
+      batch = task.sample(
+          tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
+          tr.eval_batch_size)
+      logits = np.asarray(apply(params, batch.inputs))
+      hit = logits.argmax(-1) == batch.targets
+      src = answer_positions(task, batch)
+      rows, cols = np.nonzero(src >= 0)
+      lag = cols - src[rows, cols]
+      k = np.searchsorted(edges, lag, side="right") - 1
+      np.add.at(count, k, 1)
+      np.add.at(correct, k, hit[rows, cols])
+  return dict(step=int(step), accuracy=float(correct.sum() / count.sum()),
+              lag_edges=edges.tolist(), correct=correct.tolist(),
+              count=count.tolist())
+
+
+def sweep_recall_profiles(sweep, workdir: str, runs, *,
+                          eval_batches: int | None = None,
+                          metadata: dict[str, Any] | None = None
+                          ) -> dict[str, Any]:
+  """Profiles every finished run of `runs` (sweep_lib.Run) on a recall task.
+
+  Writes `recall_vs_lag.json` (with `metadata`, e.g. the commit that
+  profiled) and `recall_vs_lag_<task>.png` into `workdir` and returns the
+  JSON's contents.
+  """
+  per_run, cells = {}, {}
+  for run in runs:
+    run_dir = os.path.join(workdir, run.name)
+    if (run.task not in RECALL_TASKS
+        or not os.path.exists(os.path.join(run_dir, "summary.json"))):
+      continue
+    prof = recall_profile(run.config, run_dir, eval_batches=eval_batches)
+    logging.info("Recall profile of %s: accuracy %.4f at step %d.", run.name,
+                 prof["accuracy"], prof["step"])
+    per_run[run.name] = prof
+    cells.setdefault((run.task, run.seq_len, run.mixer), []).append(prof)
+  records = []
+  for (task, seq_len, mixer), profs in sorted(cells.items()):
+    acc = np.array([[c / n if n else np.nan for c, n in
+                     zip(p["correct"], p["count"])] for p in profs])
+    with warnings.catch_warnings():  # a bin no seed reached stays NaN
+      warnings.simplefilter("ignore", RuntimeWarning)
+      mean, low, high = (np.nanmean(acc, 0), np.nanmin(acc, 0),
+                         np.nanmax(acc, 0))
+    records.append(dict(
+        task=task, seq_len=seq_len, mixer=mixer, seeds=len(profs),
+        lag_edges=profs[0]["lag_edges"],
+        count=np.sum([p["count"] for p in profs], 0).tolist(),
+        mean=_nan_list(mean), min=_nan_list(low), max=_nan_list(high)))
+  out = dict(metadata=metadata or {}, runs=per_run, cells=records)
+  with open(os.path.join(workdir, "recall_vs_lag.json"), "w") as f:
+    json.dump(out, f, indent=1)
+  mixers = [m for m in list(sweep.mixers) + [
+      sweep.get("ablation", {}).get("mixer")] if m]
+  chance = {}
+  for run in runs:
+    path = os.path.join(workdir, run.name, "summary.json")
+    if run.task in RECALL_TASKS and os.path.exists(path):
+      with open(path) as f:
+        chance[(run.task, run.seq_len)] = json.load(f)["chance_accuracy"]
+  for task in sorted({r["task"] for r in records}):
+    plot_recall(records, task, mixers, chance,
+                os.path.join(workdir, f"recall_vs_lag_{task}.png"))
+  return out
+
+
+def _nan_list(x) -> list[float | None]:
+  return [None if np.isnan(v) else float(v) for v in x]
+
+
+def plot_recall(records: Sequence[dict[str, Any]], task: str, mixers,
+                chance, path: str) -> None:
+  """One panel per length of `task`: accuracy per lag bin, band over seeds."""
+  series, panels, panel_chance = {}, [], {}
+  for r in sorted((r for r in records if r["task"] == task),
+                  key=lambda r: r["seq_len"]):
+    panel = f"{task} T={r['seq_len']}"
+    if panel not in panels:
+      panels.append(panel)
+    panel_chance[panel] = chance.get((task, r["seq_len"]))
+    keep = [k for k, m in enumerate(r["mean"]) if m is not None]
+    x = [r["lag_edges"][k] for k in keep]
+    series[(panel, r["mixer"])] = (
+        x, [r["mean"][k] for k in keep], [r["min"][k] for k in keep],
+        [r["max"][k] for k in keep], [r["seeds"]] * len(keep))
+  plotting.plot_bands_by_task(
+      series, tasks=panels, mixers=mixers, chance=panel_chance, log_x=True,
+      xlabel="lag: tokens back to the answer (bin [x, 2x))",
+      ylabel="held-out accuracy (%)",
+      title="recall against lag, final parameters (mean, band: min-max over"
+      " seeds)", path=path)
