@@ -80,13 +80,14 @@ def main(argv):
     sweep_lib.check_workdir(runs, workdir)
     out = recall.sweep_recall_profiles(
         sweep, workdir, runs, eval_batches=_RECALL_BATCHES.value,
-        metadata=dict(commit=_code_version()))
+        metadata=dict(profiled_at=_code_version()))
     print(f"Profiled {len(out['runs'])} runs into {workdir}.")
     return
   if not _AGGREGATE_ONLY.value:
-    sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value)
+    sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value,
+                        code_version=_code_version())
   results = sweep_lib.aggregate(
-      sweep, workdir, metadata=dict(commit=_code_version()))
+      sweep, workdir, metadata=dict(aggregated_at=_code_version()))
   print(sweep_lib.results_markdown(results))  # the CLI's one output
 
 

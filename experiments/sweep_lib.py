@@ -25,6 +25,11 @@ ValueError naming the runs and fields. Several processes may work on one workdir
 run is claimed by creating `<run dir>.lock` (holding the claimer's pid);
 a lock whose process is gone is taken over.
 
+Each run directory also gets `commits.txt`, the commit(s) of the code that
+trained it (one line per commit, in order, when a run was resumed at
+another), passed in by the CLI; results.md says how many runs each commit
+trained.
+
 `aggregate(sweep, workdir)` writes `results.json` (every run summary and one
 record per cell), `results.md` (one row per (task, length, mixer): mean, min
 and max over seeds of the best held-out accuracy and of the steps to 99%;
@@ -217,13 +222,40 @@ def check_workdir(runs: Sequence[Run], workdir: str) -> None:
         " edited sweep, or remove those runs to retrain them.")
 
 
-def run_sweep(sweep, workdir: str, *, only: str | None = None) -> list[Run]:
+COMMITS_FILE = "commits.txt"
+
+
+def record_commit(run_dir: str, code_version: str) -> None:
+  """Appends `code_version` to the run's commits.txt unless it is the last.
+
+  A run resumed at another commit lists both, in order.
+  """
+  path = os.path.join(run_dir, COMMITS_FILE)
+  known = read_commits(run_dir)
+  if known and known[-1] == code_version:
+    return
+  os.makedirs(run_dir, exist_ok=True)
+  with open(path, "a") as f:
+    f.write(code_version + "\n")
+
+
+def read_commits(run_dir: str) -> list[str]:
+  path = os.path.join(run_dir, COMMITS_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [line.strip() for line in f if line.strip()]
+
+
+def run_sweep(sweep, workdir: str, *, only: str | None = None,
+              code_version: str | None = None) -> list[Run]:
   """Trains every unfinished run (whose name contains `only`, if given).
 
   A run whose training fails with non-finite gradients is recorded as
   `error.json` in its directory (a divergence is a result, not a crash of
-  the sweep); any other error stops the sweep. Returns the runs this process
-  trained.
+  the sweep); any other error stops the sweep. With `code_version` (the
+  commit of the code), each run it trains records it in its commits.txt.
+  Returns the runs this process trained.
   """
   runs = [r for r in expand(sweep) if only is None or only in r.name]
   if not runs:
@@ -241,6 +273,8 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None) -> list[Run]:
       if is_done(run_dir):  # finished between the check and the claim
         continue
       logging.info("Sweep run %d/%d: %s", i + 1, len(todo), run.name)
+      if code_version:
+        record_commit(run_dir, code_version)
       try:
         with train.backend_context(run.config):
           train.train_and_evaluate(run.config, run_dir)
@@ -277,6 +311,7 @@ def _read_run(run_dir: str) -> dict[str, Any] | None:
                      steps_to_99=None, wall_seconds=None)
   else:
     return None
+  summary["commits"] = read_commits(run_dir)
   summary["eval_steps"] = [r["step"] for r in evals]
   summary["eval_accuracy"] = [r["accuracy"] for r in evals]
   return summary
@@ -373,6 +408,14 @@ def results_markdown(results: dict[str, Any]) -> str:
   lines = [f"# {results['sweep']}: best held-out accuracy over seeds", ""]
   if meta:
     lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+  trained_at: dict[str, int] = {}
+  for run in results.get("runs", ()):
+    for commit in run.get("commits") or ["(not recorded)"]:
+      trained_at[commit] = trained_at.get(commit, 0) + 1
+  if trained_at:
+    lines += ["Runs trained at: " + ", ".join(
+        f"{c} ({n} run{'s' if n > 1 else ''})"
+        for c, n in trained_at.items()) + ".", ""]
   lines += [
       f"{results['num_finished']} of {results['num_runs']} runs finished;"
       f" {results['train_seconds'] / 3600:.2f} hours of training (after"

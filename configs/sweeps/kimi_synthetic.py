@@ -31,15 +31,24 @@ Why these sizes (the budget is about 6 CPU-hours on a 2-core machine):
   model has head dim 128 and trains up to 20k steps; ours is 4x narrower and
   trains at most 600 steps, so absolute accuracies are lower and the point is
   the comparison between mixers at equal size and budget.
-* every step sees 8192 tokens (batch 32 at T=256, 16 at 512, 8 at 1024), so
-  a step costs about the same at every length for the recurrent mixers
-  (planned from ~0.3 s a step for KDA on one core; ~2.5x that for
-  attention at T=1024); every run stops at 600 steps or at 99% held-out
-  accuracy (evaluated every 25 steps on 4 batches). Measured during the
-  sweep, two workers on a 2-core machine whose f32 matmul ran at ~100
-  GFLOP/s: 1.2-1.6 s a step per worker, ~15-30 minutes a run, so the grid
-  costs ~20-40 CPU-hours there (the plan holds only on a machine about 4x
-  faster).
+* Palindrome and Stack steps see 8192 tokens (batch 32 at T=256, 16 at
+  512, 8 at 1024), so a step costs about the same at every length for the
+  recurrent mixers; both score many positions of every sequence (half of
+  Palindrome's, every POP of Stack's).
+* MQAR steps see 32 sequences at every length (8192, 16384, 32768 tokens):
+  MQAR scores only the N queries of a sequence, and how many queries a step
+  scores decides whether a model leaves the chance plateau. Calibration
+  (KDA, MQAR at T=1024 with 32 pairs, seed 0): with 8 sequences a step it
+  sat at chance for all 600 steps (3.1%, chance 1.6%) and, with the cap
+  raised to 1800 steps, for all 1800 (loss at ln 64: uniform over the
+  values); with 32 sequences it left chance at step 200 and held 59% at
+  step 325. That costs 4x a step at T=1024 (2x at 512).
+* every run stops at 600 steps or at 99% held-out accuracy (evaluated every
+  25 steps on 4 batches). Measured during the sweep, two workers on a
+  2-core machine whose f32 matmul ran at ~100 GFLOP/s: ~1 s a step per
+  worker at 8192 tokens (2-3x that for attention at T=1024), ~10-30
+  minutes a run, so the grid costs ~30-40 CPU-hours there (the plan holds
+  only on a machine about 4-6x faster).
 * one learning rate, 3e-3 (the rate at which the repo's MQAR and
   delayed-copy runs solved their tasks for KDA and attention): the paper
   takes the best of four rates per mixer; a second rate would halve the seeds
@@ -58,7 +67,8 @@ import ml_collections
 
 from configs import common as config_lib
 
-TOKENS_PER_STEP = 8192
+TOKENS_PER_STEP = 8192  # Palindrome and Stack
+MQAR_BATCH = 32  # sequences a step at every length
 LENGTHS = (256, 512, 1024)
 MQAR_PAIRS = {256: 16, 512: 24, 1024: 32}
 
@@ -105,8 +115,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cells = []
   for name in ("palindrome", "mqar", "stack"):
     for seq_len in LENGTHS:
+      batch = MQAR_BATCH if name == "mqar" else TOKENS_PER_STEP // seq_len
       cells.append(dict(task=_task(name, seq_len), num_steps=600,
-                        batch_size=TOKENS_PER_STEP // seq_len))
+                        batch_size=batch))
   config.base = _base(batch_size=TOKENS_PER_STEP // LENGTHS[0])
   config.cells = tuple(cells)
   config.mixers = ("kda", "gdn", "attention")

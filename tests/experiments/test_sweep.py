@@ -29,8 +29,9 @@ def test_the_kimi_synthetic_grid():
   # Seeds outermost: every run of seed 0 comes before any of seed 1.
   seeds = [r.seed for r in main]
   assert seeds == sorted(seeds)
-  for r in runs:  # tokens per step are the same at every length
-    assert r.config.train.batch_size * r.seq_len == 8192
+  for r in runs:  # Palindrome and Stack: 8192 tokens a step; MQAR: 32 rows
+    b = r.config.train.batch_size
+    assert b == 32 if r.task == "mqar" else b * r.seq_len == 8192
     assert r.config.task.seq_len == r.seq_len
     assert r.config.model.mixer == r.mixer and r.config.seed == r.seed
   mqar = {r.seq_len: r.config.task for r in main if r.task == "mqar"}
@@ -74,7 +75,7 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   sweep = kimi_synthetic.get_config("smoke")
   workdir = str(tmp_path)
   only = "stack_T32/kda_"  # two seeds of one cell: enough to aggregate
-  trained = sweep_lib.run_sweep(sweep, workdir, only=only)
+  trained = sweep_lib.run_sweep(sweep, workdir, only=only, code_version="c1")
   assert sorted(r.name for r in trained) == [
       "stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"]
   for r in trained:
@@ -110,6 +111,12 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   with open(os.path.join(workdir, "results.md")) as f:
     md = f.read()
   assert "2 of 13 runs finished" in md and "| stack | 32 | kda |" in md
+  assert "Runs trained at: c1 (2 runs)." in md
+  # A run resumed at another commit lists both; the same commit once.
+  sweep_lib.record_commit(os.path.join(workdir, trained[0].name), "c2")
+  sweep_lib.record_commit(os.path.join(workdir, trained[0].name), "c2")
+  assert sweep_lib.read_commits(
+      os.path.join(workdir, trained[0].name)) == ["c1", "c2"]
 
   # Recall against lag (the CLI): every run's bins add up to its held-out
   # accuracy; the cell's band spans its seeds.
