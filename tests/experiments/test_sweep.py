@@ -11,6 +11,7 @@ import pytest
 from configs.sweeps import kimi_synthetic
 from configs.sweeps import parity as sweep_parity
 from experiments import sweep_lib
+from experiments import tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -134,6 +135,11 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
       final = json.load(f)["final_eval_accuracy"]
     p = prof["runs"][r.name]
     assert sum(p["correct"]) / sum(p["count"]) == pytest.approx(final)
+    tr, task = r.config.train, tasks.make_task(**r.config.task.to_dict())
+    assert sum(p["count"]) == sum(  # every scored position of the set
+        task.sample(tasks.rng(r.seed, tasks.EVAL_STREAM, i),
+                    tr.eval_batch_size).mask.sum()
+        for i in range(tr.eval_batches))
     per_seed.append([c / n if n else np.nan
                      for c, n in zip(p["correct"], p["count"])])
   (cell,) = prof["cells"]
