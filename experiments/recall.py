@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from experiments import checkpoints
+from experiments import model as model_lib
 from experiments import plotting
 from experiments import program as program_lib
 from experiments import tasks as tasks_lib
@@ -91,10 +92,13 @@ def _bin_edges(seq_len: int) -> np.ndarray:
   return 2 ** np.arange(int(np.ceil(np.log2(max(seq_len, 2)))) + 1)
 
 
-def _final_params(config, run_dir: str, prog):
-  params = prog.init(jax.random.key(config.seed),
-                     np.zeros((1, prog.task.seq_len), np.int32))
-  opt_state = prog.init_opt(params)
+def _final_params(config, run_dir: str, model, seq_len: int):
+  """The last checkpoint's parameters (restored on this process's devices,
+  whatever mesh the run trained on) and its step."""
+  params = jax.jit(model.init)(jax.random.key(config.seed),
+                               np.zeros((1, seq_len), np.int32))
+  optimizer, _ = program_lib.make_optimizer(config.train)
+  opt_state = optimizer.init(params)
   ckpt = checkpoints.manager(run_dir)
   try:
     step = ckpt.latest_step()
@@ -127,9 +131,9 @@ def recall_profile(config, run_dir: str, *,
   tr = config.train
   n = tr.eval_batches if eval_batches is None else eval_batches
   with program_lib.backend_context(config):
-    prog = program_lib.build_program(config)
-    params, step = _final_params(config, run_dir, prog)
-    apply = jax.jit(prog.model.apply)
+    model = model_lib.make_model(config.model, task.vocab_size)
+    params, step = _final_params(config, run_dir, model, task.seq_len)
+    apply = jax.jit(model.apply)
     edges = _bin_edges(task.seq_len)
     correct = np.zeros(len(edges) - 1, np.int64)
     count = np.zeros(len(edges) - 1, np.int64)

@@ -21,9 +21,9 @@ A sweep config (e.g. configs/sweeps/kimi_synthetic.py) holds
 (each an ordinary, resumable run directory), so a killed sweep continues
 where it stopped; a run directory that holds a run of a different config
 (the sweep config was edited) stops the sweep and its aggregation with a
-ValueError naming the runs and fields. Several processes may work on one workdir at once: each
-run is claimed by creating `<run dir>.lock` (holding the claimer's pid);
-a lock whose process is gone is taken over.
+ValueError naming the runs and fields. Several processes may work on one
+workdir at once: each run is claimed by creating `<run dir>.lock` (holding
+the claimer's pid); a lock whose process is gone is taken over.
 
 Each run directory also gets `commits.txt`, the commit(s) of the code that
 trained it (one line per commit, in order, when a run was resumed at
