@@ -164,12 +164,14 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
   profiled) and `recall_vs_lag_<task>.png` into `workdir` and returns the
   JSON's contents.
   """
-  per_run, cells = {}, {}
+  per_run, cells, chance = {}, {}, {}
   for run in runs:
     run_dir = os.path.join(workdir, run.name)
-    if (run.task not in RECALL_TASKS
-        or not os.path.exists(os.path.join(run_dir, "summary.json"))):
+    summary_path = os.path.join(run_dir, "summary.json")
+    if run.task not in RECALL_TASKS or not os.path.exists(summary_path):
       continue
+    with open(summary_path) as f:
+      chance[(run.task, run.seq_len)] = json.load(f)["chance_accuracy"]
     prof = recall_profile(run.config, run_dir, eval_batches=eval_batches)
     logging.info("Recall profile of %s: accuracy %.4f at step %d.", run.name,
                  prof["accuracy"], prof["step"])
@@ -193,12 +195,6 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
     json.dump(out, f, indent=1)
   mixers = [m for m in list(sweep.mixers) + [
       sweep.get("ablation", {}).get("mixer")] if m]
-  chance = {}
-  for run in runs:
-    path = os.path.join(workdir, run.name, "summary.json")
-    if run.task in RECALL_TASKS and os.path.exists(path):
-      with open(path) as f:
-        chance[(run.task, run.seq_len)] = json.load(f)["chance_accuracy"]
   for task in sorted({r["task"] for r in records}):
     plot_recall(records, task, mixers, chance,
                 os.path.join(workdir, f"recall_vs_lag_{task}.png"))

@@ -145,13 +145,8 @@ def config_differences(workdir: str,
   for key in sorted(set(stored) & set(new)):
     if key in RESUMABLE_FIELDS:
       continue
-    old_value, new_value = stored[key], new[key]
-    if isinstance(old_value, list):
-      old_value = tuple(old_value)
-    if isinstance(new_value, list):
-      new_value = tuple(new_value)
-    if old_value != new_value:
-      lines.append(f"{key}: {old_value!r} -> {new_value!r}")
+    if stored[key] != new[key]:  # both sides read back from JSON
+      lines.append(f"{key}: {stored[key]!r} -> {new[key]!r}")
   return lines
 
 
