@@ -6,6 +6,8 @@ import os
 from absl import logging
 import orbax.checkpoint as ocp
 
+from experiments import program as program_lib
+
 
 class _DropOrbaxInfo(logging_std.Filter):
   """Hides orbax's per-checkpoint INFO chatter; keeps its warnings."""
@@ -20,7 +22,12 @@ def quiet_orbax_logs() -> None:
 
 
 def manager(workdir: str) -> ocp.CheckpointManager:
-  """The run's checkpoint manager (the last two checkpoints are kept)."""
+  """The run's checkpoint manager (the last two checkpoints are kept).
+
+  Across processes, orbax's own barrier here is a collective (gloo's, on CPU,
+  gives up after 30 seconds); the processes line up before it.
+  """
+  program_lib.line_up("checkpoint manager")
   return ocp.CheckpointManager(
       os.path.join(workdir, "checkpoints"),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))

@@ -10,9 +10,9 @@ import os
 from typing import Any
 
 from absl import logging
-import jax
-from jax.experimental import multihost_utils
 import tensorboardX
+
+from experiments import program as program_lib
 
 TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
 
@@ -32,8 +32,7 @@ class MetricsLog:
     if os.path.exists(self.path):
       with open(self.path) as f:
         self.records = [json.loads(line) for line in f if line.strip()]
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("metrics log read")
+    program_lib.line_up("metrics log read")
     kept = [r for r in self.records if r["step"] <= resume_step]
     if len(kept) != len(self.records):
       logging.info("Dropping %d metric records logged after step %d.",

@@ -10,7 +10,11 @@ spans every device of every process; parameters and optimizer state are
 replicated over it (`Program.init`, `Program.init_opt`); every process builds
 the same global batch from the (seed, step) stream and places the blocks its
 own devices hold (`Program.put_batch`), so a run's data and numbers do not
-depend on how many processes run it.
+depend on how many processes run it. Each jitted step compiles ahead of
+its first run on a new input signature, and the processes line up there
+(`line_up`, a barrier of the coordination service): a process that compiled
+faster would otherwise wait inside the step's first collective, whose
+rendezvous (gloo's on CPU) gives up after 30 seconds.
 """
 
 import collections
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from orbax.checkpoint import multihost
 
 from experiments import model as model_lib
 from experiments import tasks as tasks_lib
@@ -174,6 +179,62 @@ def masked_sums(logits, targets, mask):
   return (nll * mask).sum(), mask.sum(), (correct * mask).sum()
 
 
+# How long a process waits at a line-up for the others (compiling a large
+# step on a loaded host takes minutes; a process that died fails the barrier
+# through the coordination service's heartbeat well before this).
+LINE_UP_TIMEOUT_S = 3600
+_line_ups = collections.Counter()
+
+
+def line_up(name: str) -> None:
+  """Waits until every process reaches this point (no-op in one process).
+
+  A barrier of `jax.distributed`'s coordination service (through orbax's
+  `get_barrier_sync_fn`), not a collective: it has its own timeout,
+  `LINE_UP_TIMEOUT_S`. Every process must call it with the same names in
+  the same order; the n-th call with a name is its own barrier.
+  """
+  if jax.process_count() == 1:
+    return
+  _line_ups[name] += 1
+  key = f"{name}/{_line_ups[name]}"
+  logging.info("Waiting for all %d processes at %s.", jax.process_count(),
+               key)
+  multihost.get_barrier_sync_fn()(key=key, timeout_ms=LINE_UP_TIMEOUT_S * 1000)
+
+
+class _LinedUp:
+  """A jitted function that, across processes, compiles before it runs.
+
+  On each new input signature (shapes, dtypes, shardings) it compiles
+  ahead (`lower(...).compile()`), lines the processes up, and then runs the
+  compiled step; traced calls (inside another jit or `eval_shape`) go to
+  the jitted function.
+  """
+
+  def __init__(self, name: str, fn):
+    self.name, self.fn, self.compiled = name, fn, {}
+
+  def __call__(self, *args):
+    leaves, treedef = jax.tree.flatten(args)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return self.fn(*args)
+    signature = (treedef, tuple(
+        (np.shape(x), jnp.result_type(x) if not hasattr(x, "dtype")
+         else x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    if signature not in self.compiled:
+      self.compiled[signature] = self.fn.lower(*args).compile()
+      line_up(f"compiled {self.name}")
+    return self.compiled[signature](*args)
+
+  def lower(self, *args, **kwargs):
+    return self.fn.lower(*args, **kwargs)
+
+
+def _lined_up(name: str, fn):
+  return _LinedUp(name, fn) if jax.process_count() > 1 else fn
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
   """What a config compiles to: task, model, optimiser and jitted steps."""
@@ -266,12 +327,15 @@ def build_program(config) -> Program:
         x.shape, batch_sharding, lambda index, x=x: x[index])
             for name, x in batch.items()}
 
-  prog = Program(task=task, model=model, optimizer=optimizer,
-                  schedule=schedule, train_step=train_step,
-                  eval_step=jax.jit(loss_fn),
-                  init=jax.jit(init_model.init, out_shardings=replicated),
-                  init_opt=jax.jit(optimizer.init, out_shardings=replicated),
-                  put_batch=put_batch)
+  prog = Program(
+      task=task, model=model, optimizer=optimizer, schedule=schedule,
+      train_step=_lined_up("train_step", train_step),
+      eval_step=_lined_up("eval_step", jax.jit(loss_fn)),
+      init=_lined_up("init", jax.jit(init_model.init,
+                                     out_shardings=replicated)),
+      init_opt=_lined_up("init_opt", jax.jit(optimizer.init,
+                                             out_shardings=replicated)),
+      put_batch=put_batch)
   _PROGRAMS[key] = prog
   while len(_PROGRAMS) > _MAX_PROGRAMS:
     _PROGRAMS.popitem(last=False)

@@ -229,9 +229,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   prog = program_lib.build_program(config)
   task = prog.task
   check_resumable(workdir, config)
+  # Every process has read the stored config before process 0 replaces it.
+  program_lib.line_up("config checked")
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(path + ".tmp", path)  # never a half-written config.json
   b, t = tr.batch_size, task.seq_len
   logging.info("Task %s: T=%d, vocab %d, chance accuracy %.4f.", task.name, t,
                task.vocab_size, task.chance_accuracy)

@@ -6,7 +6,9 @@ data x context mesh spanning both. The single-process run of the same
 config (in this process, on its simulated devices) is the reference: every
 loss and accuracy a two-process run logs must match it, up to step 3 where
 the run is killed and after it resumes from the checkpoint both processes
-wrote.
+wrote. Each process lines up with the other after compiling each step
+(experiments/program.py): without it, a loaded machine's compile-time skew
+outlasts gloo's 30-second rendezvous.
 """
 
 import json
@@ -72,6 +74,7 @@ def _two_processes(workdir, tmp_path, *extra):
                  "--num_processes=2", f"--process_id={i}"], _env(2), log)
            for i, log in enumerate(logs)]
   _wait(procs, logs)
+  return logs
 
 
 def _scores(workdir):
@@ -98,7 +101,12 @@ def test_two_processes_match_one_and_resume(tmp_path):
   # A two-process run killed after step 3, then resumed from the checkpoint
   # both processes wrote, logs what one process logs in one go.
   killed = str(tmp_path / "killed")
-  _two_processes(killed, tmp_path, "--stop_at_step=3")
+  logs = _two_processes(killed, tmp_path, "--stop_at_step=3")
+  for log in logs:  # both compiled each step ahead and lined up before it
+    with open(log) as f:
+      text = f.read()
+    for name in ("init", "init_opt", "eval_step", "train_step"):
+      assert f"processes at compiled {name}/1." in text, (name, log)
   assert not os.path.exists(os.path.join(killed, "summary.json"))
   assert max(r[0] for r in _scores(killed)) == 3
   _assert_same(_scores(killed), [r for r in expected if r[0] <= 3])
