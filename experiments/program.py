@@ -219,9 +219,9 @@ class _LinedUp:
     leaves, treedef = jax.tree.flatten(args)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
       return self.fn(*args)
-    signature = (treedef, tuple(
-        (np.shape(x), jnp.result_type(x) if not hasattr(x, "dtype")
-         else x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    signature = (treedef, tuple((np.shape(x), x.dtype,
+                                 getattr(x, "sharding", None))
+                                for x in leaves))
     if signature not in self.compiled:
       self.compiled[signature] = self.fn.lower(*args).compile()
       line_up(f"compiled {self.name}")
