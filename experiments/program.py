@@ -227,9 +227,6 @@ class _LinedUp:
       line_up(f"compiled {self.name}")
     return self.compiled[signature](*args)
 
-  def lower(self, *args, **kwargs):
-    return self.fn.lower(*args, **kwargs)
-
 
 def _lined_up(name: str, fn):
   return _LinedUp(name, fn) if jax.process_count() > 1 else fn
