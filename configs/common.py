@@ -88,6 +88,11 @@ def train_config(**overrides):
       # final parameters at each of these sequence lengths (task.seq_len
       # replaced; summary.json `length_accuracy`). () for none.
       eval_lengths=(),
+      # Length curriculum: ((steps, seq_len), ...) stages trained before the
+      # task's own length (task.seq_len replaced), each step holding the same
+      # tokens (batch_size * task.seq_len // seq_len sequences); held-out
+      # evaluation stays at task.seq_len. () for none.
+      length_curriculum=(),
   ))
   for key, value in overrides.items():
     if key not in tr:

@@ -90,6 +90,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     value = config.mesh[field]
     _check(f"mesh.{field}", _is_int(value) and value >= 1, "an int >= 1",
            value)
+  _check_curriculum(config)
   for field in ("batch_size", "eval_batch_size"):
     _check(f"train.{field}", tr[field] % config.mesh.data == 0,
            f"a multiple of mesh.data ({config.mesh.data})", tr[field])
@@ -102,6 +103,51 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(
           "model.kda.context_axis must be None: mesh.context sets it; got"
           f" {config.model.kda.context_axis!r}.")
+
+
+def _check_curriculum(config) -> None:
+  """The checks of `train.length_curriculum` (see configs/common.py)."""
+  tr = config.train
+  stages = tr.get("length_curriculum", ())
+  name = "train.length_curriculum"
+  _check(name, isinstance(stages, (tuple, list)) and all(
+      isinstance(st, (tuple, list)) and len(st) == 2
+      and all(_is_int(n) and n >= 1 for n in st) for st in stages),
+         "a tuple of (steps, seq_len) pairs of ints >= 1", stages)
+  if not stages:
+    return
+  _check(name, "seq_len" in config.task, "empty for a task without a seq_len"
+         " field", stages)
+  total = sum(steps for steps, _ in stages)
+  _check(name, total <= tr.num_steps,
+         f"stages of at most train.num_steps ({tr.num_steps}) steps in all",
+         stages)
+  tokens = tr.batch_size * config.task.seq_len
+  for _, seq_len in stages:
+    _check(name, tokens % seq_len == 0 and (tokens // seq_len)
+           % config.mesh.data == 0,
+           f"stages whose seq_len divides train.batch_size x task.seq_len"
+           f" ({tokens} tokens a step) into a multiple of mesh.data"
+           f" ({config.mesh.data}) sequences", stages)
+    _check(name, seq_len % config.mesh.context == 0,
+           f"stages whose seq_len is a multiple of mesh.context"
+           f" ({config.mesh.context})", stages)
+
+
+def curriculum_shapes(config) -> list[tuple[int, int, int]]:
+  """(last step, batch size, seq_len) of each curriculum stage, in order.
+
+  Steps `previous last step + 1 .. last step` (counting from 1) train on
+  `batch size` sequences of `seq_len` tokens; steps after the last stage
+  train on the task itself. Empty without `train.length_curriculum`.
+  """
+  tr = config.train
+  tokens = tr.batch_size * config.task.get("seq_len", 0)
+  out, end = [], 0
+  for steps, seq_len in tr.get("length_curriculum", ()):
+    end += steps
+    out.append((end, tokens // seq_len, seq_len))
+  return out
 
 
 def make_mesh(config) -> jax.sharding.Mesh | None:
@@ -296,10 +342,17 @@ def build_program(config) -> Program:
         sums_fn, mesh, "data", "context" if context > 1 else None,
         has_aux=True, check_vma=not may_run_mosaic)
 
+  shapes = {(b, t)} | {(sb, st) for _, sb, st in curriculum_shapes(config)}
+
   @jax.jit
   def train_step(params, opt_state, batch):
-    chex.assert_shape([batch["inputs"], batch["targets"], batch["mask"]],
-                      (b, t))
+    chex.assert_equal_shape([batch["inputs"], batch["targets"],
+                             batch["mask"]])
+    if batch["inputs"].shape not in shapes:
+      raise ValueError(f"a training batch must have a shape in {sorted(shapes)}"
+                       f" (train.batch_size x task.seq_len, or a stage of"
+                       f" train.length_curriculum); got"
+                       f" {batch['inputs'].shape}.")
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         params, batch)
     chex.assert_trees_all_equal_shapes(grads, params)

@@ -7,7 +7,8 @@ A sweep config (e.g. configs/sweeps/kimi_synthetic.py) holds
   set per run;
 * `cells`: a tuple of dicts `dict(task=<task fields>, num_steps=<cap>,
   batch_size=<B>)`, one per (task, length); `batch_size` (optional) sets
-  the training and held-out batch of that cell;
+  the training and held-out batch of that cell, `length_curriculum`
+  (optional) its `train.length_curriculum`;
 * `mixers`, `seeds`, `learning_rates`: the axes crossed with every cell;
   a mixer is a `model.mixer` name or the name of a variant;
 * `variants` (optional): `{name: ((dotted field, value), ...)}`, a named
@@ -94,6 +95,9 @@ def _run(sweep, cell, mixer: str, seed: int, lr: float) -> Run:
   if "batch_size" in cell:
     config.train.batch_size = cell["batch_size"]
     config.train.eval_batch_size = cell["batch_size"]
+  if "length_curriculum" in cell:
+    config.train.length_curriculum = tuple(
+        tuple(stage) for stage in cell["length_curriculum"])
   config.lock()
   variant = sweep.get("variants", {}).get(mixer)
   if variant is not None:  # on the locked config: a misspelt field raises

@@ -30,7 +30,9 @@ workdir must be a path all processes share).
 
 Data is a pure function of (seed, step): the training batch of step s comes
 from `tasks.rng(seed, TRAIN_STREAM, s)`, the held-out set from the separate
-`EVAL_STREAM`. Rerunning with the same workdir restores the latest checkpoint,
+`EVAL_STREAM`. With `train.length_curriculum`, the first steps draw from the
+task at shorter (or other) lengths, the same tokens a step; the held-out set
+stays at the task's length. Rerunning with the same workdir restores the latest checkpoint,
 drops metrics logged after it and continues, so a killed run loses at most
 one checkpoint interval and ends with the same metrics as an uninterrupted one.
 A workdir resumes only with the config it was started with (ValueError naming
@@ -84,6 +86,30 @@ def _evaluate(prog, params, eval_set) -> tuple[float, float]:
   return float(np.dot(w, losses)), float(np.dot(w, accs))
 
 
+def _train_batches(config, task):
+  """step -> the training batch of that step (0-based), as NumPy arrays.
+
+  A pure function of (seed, step): `tasks.rng(seed, TRAIN_STREAM, step)`
+  drawn from the task, or from the task at a curriculum stage's length
+  (`train.length_curriculum`) while the step is inside that stage.
+  """
+  stages = [(end, tasks_lib.make_task(**dict(config.task.to_dict(),
+                                             seq_len=seq_len)), b)
+            for end, b, seq_len in program_lib.curriculum_shapes(config)]
+  for (end, stage_task, b), start in zip(stages, [0] + [s[0] for s in stages]):
+    logging.info("Length curriculum: steps %d-%d at T=%d (%d sequences a"
+                 " step).", start + 1, end, stage_task.seq_len, b)
+
+  def batch(step: int) -> dict[str, np.ndarray]:
+    rng = tasks_lib.rng(config.seed, tasks_lib.TRAIN_STREAM, step)
+    for end, stage_task, b in stages:
+      if step < end:
+        return stage_task.sample(rng, b).as_dict()
+    return task.sample(rng, config.train.batch_size).as_dict()
+
+  return batch
+
+
 def _length_accuracy(config, prog, params) -> dict[str, float]:
   """Held-out accuracy of `params` at each of `train.eval_lengths`.
 
@@ -117,6 +143,13 @@ RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
                     "train.log_every", "train.checkpoint_every")
 
 
+# Fields added to the configs after runs were written without them, with the
+# value that reproduces what the code did before (a run directory written
+# then resumes, and counts as the same config, only where the new config
+# keeps that value).
+ADDED_FIELDS = {"train.eval_lengths": (), "train.length_curriculum": ()}
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   if isinstance(tree, dict):
     out = {}
@@ -131,9 +164,10 @@ def config_differences(workdir: str,
   """The fields where `workdir`'s config.json and `config` disagree.
 
   One "field: stored -> new" line per difference, outside RESUMABLE_FIELDS;
-  empty when the workdir has no config.json. Only fields both sides know are
-  compared: one the code gained or dropped since the run was written is a
-  change of code, not of config (runs record their commit for that).
+  empty when the workdir has no config.json. A field of ADDED_FIELDS absent
+  from the stored config ran as the code before it did: it differs only
+  where the new config sets another value. Any other field only one side
+  has is a change of code, not of config (runs record their commit).
   """
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
@@ -141,12 +175,17 @@ def config_differences(workdir: str,
   with open(path) as f:
     stored = _flatten(json.load(f))
   new = _flatten(json.loads(config.to_json_best_effort()))
+  defaults = json.loads(json.dumps(ADDED_FIELDS))  # as read back from JSON
   lines = []
-  for key in sorted(set(stored) & set(new)):
+  for key in sorted(new):
     if key in RESUMABLE_FIELDS:
       continue
-    if stored[key] != new[key]:  # both sides read back from JSON
-      lines.append(f"{key}: {stored[key]!r} -> {new[key]!r}")
+    if key in stored:
+      if stored[key] != new[key]:  # both sides read back from JSON
+        lines.append(f"{key}: {stored[key]!r} -> {new[key]!r}")
+    elif key in defaults and defaults[key] != new[key]:
+      lines.append(f"{key}: absent (ran as {defaults[key]!r}) ->"
+                   f" {new[key]!r}")
   return lines
 
 
@@ -275,9 +314,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   t0 = time.time()
   window = [t0, 0]  # (start time, steps) of the logging window
+  train_batch = _train_batches(config, task)
   for step in range(start, last):
-    batch = task.sample(tasks_lib.rng(config.seed, tasks_lib.TRAIN_STREAM,
-                                      step), b).as_dict()
+    batch = train_batch(step)
     params, opt_state, m = prog.train_step(params, opt_state,
                                            prog.put_batch(batch))
     m = jax.device_get(m)

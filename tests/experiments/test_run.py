@@ -19,6 +19,7 @@ from configs import parity
 from experiments import ablate
 from configs import common as config_lib
 from experiments import model as model_lib
+from experiments import tasks as tasks_lib
 from experiments import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -94,17 +95,23 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
   with pytest.raises(ValueError, match=r"train.learning_rate: 0.003 -> 0.001"):
     train.train_and_evaluate(other, killed)
   assert _records(killed) == before
-  # A field the stored config lacks (older code) is not a difference; the
-  # backend and the logging interval may change.
+  # A field the stored config lacks (older code) ran as its default: a
+  # difference only where the new config sets another value. The backend
+  # and the logging interval may change.
   path = os.path.join(killed, "config.json")
   with open(path) as f:
     stored = json.load(f)
   del stored["train"]["eval_lengths"]
+  del stored["train"]["length_curriculum"]
   with open(path, "w") as f:
     json.dump(stored, f)
   moved = config_lib.apply_diff(config, {"model.kda.backend": "reference",
                                          "train.log_every": 5})
   assert train.config_differences(killed, moved) == []
+  staged = config_lib.apply_diff(config,
+                                 {"train.length_curriculum": ((2, 32),)})
+  assert train.config_differences(killed, staged) == [
+      "train.length_curriculum: absent (ran as []) -> [[2, 32]]"]
   summary = train.train_and_evaluate(config, killed)
   assert summary["steps_trained_this_run"] == n - (stop // every) * every
   assert _scores(killed) == _scores(str(tmp_path / "straight"))
@@ -158,12 +165,60 @@ def test_length_generalisation_evaluates_the_final_parameters(tmp_path):
     assert json.load(f)["length_accuracy"] == acc
 
 
+def test_length_curriculum_trains_other_lengths_first_and_resumes(tmp_path):
+  config = config_lib.apply_diff(_smoke("kda"), {
+      "train.length_curriculum": ((3, 32),)})
+  task = train.build_program(config).task
+  batches = train._train_batches(config, task)
+  # Steps 1-3 (0-based 0-2) draw 8 MQAR sequences of 32 tokens from the
+  # training stream, the same 256 tokens a step; then the task's 4 x 64.
+  for step in range(config.train.num_steps):
+    batch = batches(step)
+    want = (8, 32) if step < 3 else (4, 64)
+    assert batch["inputs"].shape == want, step
+    stage = tasks_lib.make_task(**dict(config.task.to_dict(),
+                                       seq_len=want[1]))
+    drawn = stage.sample(tasks_lib.rng(0, tasks_lib.TRAIN_STREAM, step),
+                         want[0]).as_dict()
+    for name in drawn:
+      np.testing.assert_array_equal(batch[name], drawn[name])
+  # A stage at the task's own length is the run without a curriculum.
+  same = config_lib.apply_diff(config, {"train.length_curriculum": ((3, 64),)})
+  train.train_and_evaluate(_smoke("kda"), str(tmp_path / "plain"))
+  train.train_and_evaluate(same, str(tmp_path / "same"))
+  assert _scores(str(tmp_path / "same")) == _scores(str(tmp_path / "plain"))
+  # Killed at step 3 (checkpoint at 2), it resumes inside the stage and
+  # crosses into the task's length as the uninterrupted run did.
+  straight = train.train_and_evaluate(config, str(tmp_path / "straight"))
+  killed = str(tmp_path / "killed")
+  train.train_and_evaluate(config, killed, stop_at_step=3)
+  train.train_and_evaluate(config, killed)
+  assert _scores(killed) == _scores(str(tmp_path / "straight"))
+  assert straight["seq_len"] == 64
+  # The held-out set stays at the task's length: step 0 is the plain run's.
+  assert _scores(killed)[0] == _scores(str(tmp_path / "plain"))[0]
+  assert _scores(killed)[1] != _scores(str(tmp_path / "plain"))[1]
+  prog = train.build_program(config)
+  params = prog.init(jax.random.key(0), np.zeros((1, 64), np.int32))
+  wrong = {k: np.zeros((2, 64), v.dtype) for k, v in batches(0).items()}
+  with pytest.raises(ValueError, match="train.length_curriculum"):
+    prog.train_step(params, prog.init_opt(params), wrong)
+
+
 def test_bad_train_values_name_the_field(tmp_path):
   for diff, field in (({"train.learning_rate": -1.0}, "train.learning_rate"),
                       ({"train.warmup_steps": 100}, "train.warmup_steps"),
                       ({"train.batch_size": 0}, "train.batch_size"),
                       ({"train.eval_lengths": (64, 0)},
-                       "train.eval_lengths")):
+                       "train.eval_lengths"),
+                      # 4 x 64 tokens a step do not split into T=48 rows.
+                      ({"train.length_curriculum": ((2, 48),)},
+                       "train.length_curriculum"),
+                      ({"train.length_curriculum": ((7, 32),)},
+                       r"train.length_curriculum must be stages of at most"
+                       r" train.num_steps \(6\)"),
+                      ({"train.length_curriculum": (32,)},
+                       "train.length_curriculum")):
     with pytest.raises(ValueError, match=field):
       train.train_and_evaluate(
           config_lib.apply_diff(mqar.get_config("smoke"), diff),

@@ -37,6 +37,14 @@ def test_the_kimi_synthetic_grid():
     assert r.config.model.mixer == r.mixer and r.config.seed == r.seed
   mqar = {r.seq_len: r.config.task for r in main if r.task == "mqar"}
   assert [mqar[n].num_pairs for n in (256, 512, 1024)] == [16, 24, 32]
+  # Palindrome past 256 tokens starts short: equal shares of the 600 steps
+  # at each doubling from 256; the other tasks train at their length.
+  curricula = {(r.task, r.seq_len): r.config.train.length_curriculum
+               for r in runs}
+  assert curricula[("palindrome", 256)] == ()
+  assert curricula[("palindrome", 512)] == ((300, 256),)
+  assert curricula[("palindrome", 1024)] == ((200, 256), (200, 512))
+  assert all(c == () for (t, _), c in curricula.items() if t != "palindrome")
 
 
 def test_sweep_config_errors():
