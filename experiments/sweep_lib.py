@@ -365,6 +365,8 @@ def aggregate(sweep, workdir: str, *,
         chance_accuracy=next((s.get("chance_accuracy") for _, s in items
                               if s.get("chance_accuracy") is not None), None),
         num_steps=items[0][0].config.train.num_steps,
+        length_curriculum=[list(stage) for stage in items[0][0].config.train
+                           .get("length_curriculum", ())],
         wall_seconds=float(sum(s["wall_seconds"] or 0 for _, s in items)),
         length_accuracy=_length_stats(s for _, s in items),
     ))
@@ -406,6 +408,14 @@ def _pct(stats, key) -> str:
   return "-" if stats is None else f"{100 * stats[key]:.1f}"
 
 
+def _stages(curriculum) -> str:
+  """' (300 at T=256 first)' for a length curriculum; '' for none."""
+  if not curriculum:
+    return ""
+  return " (" + ", ".join(f"{steps} at T={n}" for steps, n in curriculum) + (
+      " first)")
+
+
 def results_markdown(results: dict[str, Any]) -> str:
   """One row per (task, length, mixer): seeds' mean [min, max]."""
   meta = results["metadata"]
@@ -439,7 +449,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
         f" {r['learning_rate']:g} | {len(r['seeds'])} | {acc_s} |"
         f" {r['num_reached_99']}/{len(r['seeds'])} | {steps_s} |"
-        f" {r['num_steps']} |"
+        f" {r['num_steps']}{_stages(r.get('length_curriculum'))} |"
         f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
   with_lengths = [r for r in results["cells"] if r.get("length_accuracy")]
   if with_lengths:

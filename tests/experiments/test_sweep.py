@@ -251,6 +251,12 @@ def test_aggregate_picks_the_best_learning_rate_and_counts_divergence(
                                       max=1.0)
   assert rec["num_reached_99"] == 1 and rec["num_diverged"] == 1
   assert rec["steps_to_99"]["mean"] == 25
+  # A cell on a length curriculum says so beside its step cap.
+  _fake_run(workdir, "palindrome_T32/kda_seed0_lr0.001", 0.4)
+  results = sweep_lib.aggregate(sweep, workdir)
+  assert [r["length_curriculum"] for r in results["cells"]] == [[], [[2, 16]]]
+  with open(os.path.join(workdir, "results.md")) as f:
+    assert "| 4 (2 at T=16 first) |" in f.read()
 
 
 def test_sweep_cli_lists_runs(tmp_path):
