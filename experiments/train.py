@@ -32,12 +32,12 @@ Data is a pure function of (seed, step): the training batch of step s comes
 from `tasks.rng(seed, TRAIN_STREAM, s)`, the held-out set from the separate
 `EVAL_STREAM`. With `train.length_curriculum`, the first steps draw from the
 task at shorter (or other) lengths, the same tokens a step; the held-out set
-stays at the task's length. Rerunning with the same workdir restores the latest checkpoint,
-drops metrics logged after it and continues, so a killed run loses at most
-one checkpoint interval and ends with the same metrics as an uninterrupted one.
-A workdir resumes only with the config it was started with (ValueError naming
-the changed fields otherwise); the backend, the mesh and the logging and
-checkpoint intervals may change (`RESUMABLE_FIELDS`).
+stays at the task's length. Rerunning with the same workdir restores the
+latest checkpoint, drops metrics logged after it and continues, so a killed
+run loses at most one checkpoint interval and ends with the same metrics as
+an uninterrupted one. A workdir resumes only with the config it was started
+with (ValueError naming the changed fields otherwise); the backend, the mesh
+and the logging and checkpoint intervals may change (`RESUMABLE_FIELDS`).
 """
 
 import json
@@ -86,15 +86,19 @@ def _evaluate(prog, params, eval_set) -> tuple[float, float]:
   return float(np.dot(w, losses)), float(np.dot(w, accs))
 
 
-def _train_batches(config, task):
+def _task_at(config, seq_len: int):
+  """The config's task with only `seq_len` replaced."""
+  return tasks_lib.make_task(**dict(config.task.to_dict(), seq_len=seq_len))
+
+
+def train_batches(config, task):
   """step -> the training batch of that step (0-based), as NumPy arrays.
 
   A pure function of (seed, step): `tasks.rng(seed, TRAIN_STREAM, step)`
   drawn from the task, or from the task at a curriculum stage's length
   (`train.length_curriculum`) while the step is inside that stage.
   """
-  stages = [(end, tasks_lib.make_task(**dict(config.task.to_dict(),
-                                             seq_len=seq_len)), b)
+  stages = [(end, _task_at(config, seq_len), b)
             for end, b, seq_len in program_lib.curriculum_shapes(config)]
   for (end, stage_task, b), start in zip(stages, [0] + [s[0] for s in stages]):
     logging.info("Length curriculum: steps %d-%d at T=%d (%d sequences a"
@@ -118,8 +122,8 @@ def _length_accuracy(config, prog, params) -> dict[str, float]:
   """
   out = {}
   for seq_len in config.train.get("eval_lengths", ()):
-    task = tasks_lib.make_task(**dict(config.task.to_dict(), seq_len=seq_len))
-    _, acc = _evaluate(prog, params, _eval_set(config, task))
+    _, acc = _evaluate(prog, params, _eval_set(config, _task_at(config,
+                                                                seq_len)))
     logging.info("Length generalisation: T=%d held-out accuracy %.4f.",
                  seq_len, acc)
     out[str(seq_len)] = acc
@@ -314,7 +318,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   t0 = time.time()
   window = [t0, 0]  # (start time, steps) of the logging window
-  train_batch = _train_batches(config, task)
+  train_batch = train_batches(config, task)
   for step in range(start, last):
     batch = train_batch(step)
     params, opt_state, m = prog.train_step(params, opt_state,

@@ -171,7 +171,7 @@ def test_length_curriculum_trains_other_lengths_first_and_resumes(tmp_path):
   config = config_lib.apply_diff(_smoke("attention"), {
       "train.length_curriculum": ((3, 32),)})
   task = train.build_program(config).task
-  batches = train._train_batches(config, task)
+  batches = train.train_batches(config, task)
   # Steps 1-3 (0-based 0-2) draw 8 MQAR sequences of 32 tokens from the
   # training stream, the same 256 tokens a step; then the task's 4 x 64.
   for step in range(config.train.num_steps):
@@ -185,9 +185,9 @@ def test_length_curriculum_trains_other_lengths_first_and_resumes(tmp_path):
     for name in drawn:
       np.testing.assert_array_equal(batch[name], drawn[name])
   # A stage at the task's own length draws the batches of no curriculum.
-  same = train._train_batches(config_lib.apply_diff(
+  same = train.train_batches(config_lib.apply_diff(
       config, {"train.length_curriculum": ((3, 64),)}), task)
-  plain = train._train_batches(_smoke("attention"), task)
+  plain = train.train_batches(_smoke("attention"), task)
   for step in range(config.train.num_steps):
     for name, x in plain(step).items():
       np.testing.assert_array_equal(same(step)[name], x)
