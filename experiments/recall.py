@@ -14,9 +14,10 @@ the same sequence; its *lag* is the distance back to that token:
 alone (-1 where a position is not scored), `recall_profile(run_dir)` runs a
 finished run's final parameters on its held-out set and bins held-out
 accuracy by lag (bins [2^k, 2^(k+1))), and `sweep_recall_profiles` does that
-for every finished run of a sweep, writes `recall_vs_lag.json` (per run and
-per cell: mean, min and max over seeds in every bin) and one figure per task,
-`recall_vs_lag_<task>.png` (a panel per length, a line and band per mixer).
+for every finished run of a sweep (keeping the profiles it already holds),
+writes `recall_vs_lag.json` (per run and per cell: mean, min and max over
+seeds in every bin) and one figure per task, `recall_vs_lag_<task>.png` (a
+panel per length, a line and band per mixer).
 
 Where a cell's mean accuracy sits near chance this says whether the model
 recalls nothing or only the recent part (the first reversed symbols of a
@@ -110,6 +111,38 @@ def _final_params(config, run_dir: str, model, seq_len: int):
   return params, step
 
 
+def _held_out(config, task, n: int):
+  """Yields (batch, rows, cols, bin) for the run's first `n` held-out batches:
+  the scored positions (rows, cols) and the lag bin of each."""
+  edges = _bin_edges(task.seq_len)
+  for i in range(n):
+    batch = task.sample(tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
+                        config.train.eval_batch_size)
+    src = answer_positions(task, batch)
+    rows, cols = np.nonzero(src >= 0)
+    lag = cols - src[rows, cols]
+    yield batch, rows, cols, np.searchsorted(edges, lag, side="right") - 1
+
+
+def _task(config):
+  task = tasks_lib.make_task(**config.task.to_dict())
+  if task.name not in RECALL_TASKS:
+    raise ValueError(f"task.name must be one of {RECALL_TASKS} for a recall"
+                     f" profile; got {task.name!r}.")
+  return task
+
+
+def held_out_counts(config, *, eval_batches: int | None = None) -> list[int]:
+  """Scored positions of the run's held-out set in each lag bin (from the
+  inputs alone: what a profile of that set must count)."""
+  task = _task(config)
+  n = config.train.eval_batches if eval_batches is None else eval_batches
+  count = np.zeros(len(_bin_edges(task.seq_len)) - 1, np.int64)
+  for _, _, _, k in _held_out(config, task, n):
+    np.add.at(count, k, 1)
+  return count.tolist()
+
+
 def recall_profile(config, run_dir: str, *,
                    eval_batches: int | None = None) -> dict[str, Any]:
   """Held-out accuracy of the run's last checkpoint, binned by lag.
@@ -124,12 +157,8 @@ def recall_profile(config, run_dir: str, *,
     dict(step, accuracy (overall), lag_edges, correct, count): per lag bin
     [edges[k], edges[k + 1]) the number of correct and of scored positions.
   """
-  task = tasks_lib.make_task(**config.task.to_dict())
-  if task.name not in RECALL_TASKS:
-    raise ValueError(f"task.name must be one of {RECALL_TASKS} for a recall"
-                     f" profile; got {task.name!r}.")
-  tr = config.train
-  n = tr.eval_batches if eval_batches is None else eval_batches
+  task = _task(config)
+  n = config.train.eval_batches if eval_batches is None else eval_batches
   with program_lib.backend_context(config):
     model = model_lib.make_model(config.model, task.vocab_size)
     params, step = _final_params(config, run_dir, model, task.seq_len)
@@ -137,21 +166,27 @@ def recall_profile(config, run_dir: str, *,
     edges = _bin_edges(task.seq_len)
     correct = np.zeros(len(edges) - 1, np.int64)
     count = np.zeros(len(edges) - 1, np.int64)
-    for i in range(n):
-      batch = task.sample(
-          tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
-          tr.eval_batch_size)
+    for batch, rows, cols, k in _held_out(config, task, n):
       logits = np.asarray(apply(params, batch.inputs))
       hit = logits.argmax(-1) == batch.targets
-      src = answer_positions(task, batch)
-      rows, cols = np.nonzero(src >= 0)
-      lag = cols - src[rows, cols]
-      k = np.searchsorted(edges, lag, side="right") - 1
       np.add.at(count, k, 1)
       np.add.at(correct, k, hit[rows, cols])
   return dict(step=int(step), accuracy=float(correct.sum() / count.sum()),
               lag_edges=edges.tolist(), correct=correct.tolist(),
               count=count.tolist())
+
+
+PROFILES_FILE = "recall_vs_lag.json"
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+  if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+    return False
+  ckpt = checkpoints.manager(run_dir)
+  try:
+    return ckpt.latest_step() is not None
+  finally:
+    ckpt.close()
 
 
 def sweep_recall_profiles(sweep, workdir: str, runs, *,
@@ -160,21 +195,51 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
                           ) -> dict[str, Any]:
   """Profiles every finished run of `runs` (sweep_lib.Run) on a recall task.
 
+  A run already profiled in the workdir's `recall_vs_lag.json` keeps that
+  profile when it is of the run's final step and of the same held-out set
+  (its bins count what `held_out_counts` counts); the others are profiled
+  from their last checkpoint. So profiling again after more runs finish
+  profiles only those, and a workdir whose checkpoints are gone (run
+  directories copied without them) keeps the profiles it had; a finished
+  run with neither is logged and listed under `unprofiled`.
+
   Writes `recall_vs_lag.json` (with `metadata`, e.g. the commit that
-  profiled) and `recall_vs_lag_<task>.png` into `workdir` and returns the
-  JSON's contents.
+  profiled, at the top and in each run's profile that this call made) and
+  `recall_vs_lag_<task>.png` into `workdir` and returns the JSON's
+  contents.
   """
-  per_run, cells, chance = {}, {}, {}
+  path = os.path.join(workdir, PROFILES_FILE)
+  known, known_metadata = {}, {}
+  if os.path.exists(path):
+    with open(path) as f:
+      previous = json.load(f)
+    known, known_metadata = previous["runs"], previous["metadata"]
+  per_run, cells, chance, unprofiled = {}, {}, {}, []
   for run in runs:
     run_dir = os.path.join(workdir, run.name)
     summary_path = os.path.join(run_dir, "summary.json")
     if run.task not in RECALL_TASKS or not os.path.exists(summary_path):
       continue
     with open(summary_path) as f:
-      chance[(run.task, run.seq_len)] = json.load(f)["chance_accuracy"]
-    prof = recall_profile(run.config, run_dir, eval_batches=eval_batches)
-    logging.info("Recall profile of %s: accuracy %.4f at step %d.", run.name,
-                 prof["accuracy"], prof["step"])
+      summary = json.load(f)
+    chance[(run.task, run.seq_len)] = summary["chance_accuracy"]
+    prof = known.get(run.name)
+    if prof is not None and (
+        prof["step"] != summary["steps"] or prof["count"] != held_out_counts(
+            run.config, eval_batches=eval_batches)):
+      prof = None  # of another step or another held-out set
+    if prof is not None:
+      prof = {**known_metadata, **prof}  # who profiled it stays recorded
+    if prof is None:
+      if not _has_checkpoint(run_dir):
+        logging.warning("Run %s has no checkpoint and no profile of its"
+                        " final step; not profiled.", run.name)
+        unprofiled.append(run.name)
+        continue
+      prof = {**recall_profile(run.config, run_dir,
+                               eval_batches=eval_batches), **(metadata or {})}
+      logging.info("Recall profile of %s: accuracy %.4f at step %d.",
+                   run.name, prof["accuracy"], prof["step"])
     per_run[run.name] = prof
     cells.setdefault((run.task, run.seq_len, run.mixer), []).append(prof)
   records = []
@@ -190,8 +255,9 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
         lag_edges=profs[0]["lag_edges"],
         count=np.sum([p["count"] for p in profs], 0).tolist(),
         mean=_nan_list(mean), min=_nan_list(low), max=_nan_list(high)))
-  out = dict(metadata=metadata or {}, runs=per_run, cells=records)
-  with open(os.path.join(workdir, "recall_vs_lag.json"), "w") as f:
+  out = dict(metadata=metadata or {}, runs=per_run, cells=records,
+             unprofiled=unprofiled)
+  with open(path, "w") as f:
     json.dump(out, f, indent=1)
   mixers = [m for m in list(sweep.mixers) + [
       sweep.get("ablation", {}).get("mixer")] if m]

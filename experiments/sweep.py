@@ -12,7 +12,9 @@ results.md, results.json and the figures when it has nothing left to train.
 `--list` prints the runs and whether each is done. `--recall` trains
 nothing: it bins the held-out accuracy of every finished Palindrome, MQAR
 and Stack run by lag (how far back the answer was written) and writes
-recall_vs_lag.json and recall_vs_lag_<task>.png (experiments/recall.py).
+recall_vs_lag.json and recall_vs_lag_<task>.png (experiments/recall.py);
+a run already profiled there at its final step keeps its profile, so only
+new runs need their checkpoints.
 Flags are read here and nowhere else; see experiments/sweep_lib.py for the
 layout.
 """
@@ -81,7 +83,9 @@ def main(argv):
     out = recall.sweep_recall_profiles(
         sweep, workdir, runs, eval_batches=_RECALL_BATCHES.value,
         metadata=dict(profiled_at=_code_version()))
-    print(f"Profiled {len(out['runs'])} runs into {workdir}.")
+    missing = ("; not profiled (no checkpoint): "
+               + ", ".join(out["unprofiled"]) if out["unprofiled"] else "")
+    print(f"Recall profiles of {len(out['runs'])} runs in {workdir}{missing}.")
     return
   if not _AGGREGATE_ONLY.value:
     sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value,

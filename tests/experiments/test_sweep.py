@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from configs.sweeps import kimi_synthetic
 from configs.sweeps import parity as sweep_parity
+from experiments import recall
 from experiments import sweep_lib
 from experiments import tasks
 
@@ -159,6 +161,27 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
       assert mean == pytest.approx(np.mean(column))
       assert cell["min"][k] == pytest.approx(min(column))
   assert os.path.isfile(os.path.join(workdir, "recall_vs_lag_stack.png"))
+  # Profiling again keeps a run's profile of its final step and held-out
+  # set, with who made it, even with the checkpoints gone (a workdir
+  # rebuilt from committed results); a stale profile is remade from the
+  # checkpoints, or the run is listed as unprofiled when they are gone.
+  shutil.rmtree(os.path.join(workdir, trained[0].name, "checkpoints"))
+  kept = recall.sweep_recall_profiles(sweep, workdir, trained,
+                                      metadata=dict(profiled_at="c3"))
+  assert kept["unprofiled"] == []
+  for r in trained:
+    assert kept["runs"][r.name] == prof["runs"][r.name]
+    assert kept["runs"][r.name]["profiled_at"] != "c3"
+  assert kept["cells"] == prof["cells"]
+  assert trained[0].config.train.eval_batches == 1
+  two = recall.sweep_recall_profiles(  # another held-out set
+      sweep, workdir, trained, eval_batches=2, metadata=dict(profiled_at="c4"))
+  assert two["unprofiled"] == [trained[0].name]
+  (p,) = two["runs"].values()
+  assert p["profiled_at"] == "c4" and sum(p["count"]) > sum(
+      prof["runs"][trained[1].name]["count"])
+  assert p["count"] == recall.held_out_counts(trained[1].config,
+                                              eval_batches=2)
 
   # An edited sweep does not count (or resume) the old config's runs ...
   edited = sweep.copy_and_resolve_references()
