@@ -224,22 +224,22 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
       summary = json.load(f)
     chance[(run.task, run.seq_len)] = summary["chance_accuracy"]
     prof = known.get(run.name)
-    if prof is not None and (
-        prof["step"] != summary["steps"] or prof["count"] != held_out_counts(
-            run.config, eval_batches=eval_batches)):
-      prof = None  # of another step or another held-out set
-    if prof is not None:
-      prof = {**known_metadata, **prof}  # who profiled it stays recorded
-    if prof is None:
-      if not _has_checkpoint(run_dir):
-        logging.warning("Run %s has no checkpoint and no profile of its"
-                        " final step; not profiled.", run.name)
-        unprofiled.append(run.name)
-        continue
+    if prof is not None and prof["step"] == summary["steps"] and (
+        prof["count"] == held_out_counts(run.config,
+                                         eval_batches=eval_batches)):
+      # Of the final step and the same held-out set: kept, and who profiled
+      # it stays recorded.
+      prof = {**known_metadata, **prof}
+    elif _has_checkpoint(run_dir):
       prof = {**recall_profile(run.config, run_dir,
                                eval_batches=eval_batches), **(metadata or {})}
       logging.info("Recall profile of %s: accuracy %.4f at step %d.",
                    run.name, prof["accuracy"], prof["step"])
+    else:
+      logging.warning("Run %s has no checkpoint and no profile of its"
+                      " final step; not profiled.", run.name)
+      unprofiled.append(run.name)
+      continue
     per_run[run.name] = prof
     cells.setdefault((run.task, run.seq_len, run.mixer), []).append(prof)
   records = []
