@@ -70,9 +70,17 @@ def train_config(**overrides):
   tr = ml_collections.ConfigDict(dict(
       num_steps=500,
       batch_size=64,
-      learning_rate=3e-3,  # peak of the warm-up + cosine schedule
+      learning_rate=3e-3,  # the peak rate, reached after warmup_steps
       warmup_steps=50,
-      final_lr_fraction=0.1,  # the cosine ends at learning_rate * this
+      # After the linear warm-up: "cosine" decays to learning_rate *
+      # final_lr_fraction at num_steps; "constant" holds the peak (a run can
+      # be extended by raising num_steps: the steps it trained are the
+      # longer run's); "wsd" holds the peak, then decays linearly to
+      # learning_rate * final_lr_fraction over the last decay_fraction of
+      # num_steps (warm-up, stable, decay).
+      schedule="cosine",
+      final_lr_fraction=0.1,
+      decay_fraction=0.2,  # "wsd" only
       weight_decay=0.1,  # AdamW, on matrices only
       b1=0.9,
       b2=0.98,

@@ -21,16 +21,21 @@ def quiet_orbax_logs() -> None:
   logging.get_absl_handler().addFilter(_DropOrbaxInfo())
 
 
-def manager(workdir: str) -> ocp.CheckpointManager:
-  """The run's checkpoint manager (the last two checkpoints are kept).
+def manager(workdir: str, keep_steps=()) -> ocp.CheckpointManager:
+  """The run's checkpoint manager: the last two checkpoints are kept, and
+  those of `keep_steps` (a "wsd" run's decay start, to extend it from).
 
   Across processes, orbax's own barrier here is a collective (gloo's, on CPU,
   gives up after 30 seconds); the processes line up before it.
   """
   program_lib.line_up("checkpoint manager")
+  policy = ocp.checkpoint_managers.AnyPreservationPolicy([
+      ocp.checkpoint_managers.LatestN(2),
+      ocp.checkpoint_managers.CustomSteps(list(keep_steps))])
   return ocp.CheckpointManager(
       os.path.join(workdir, "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+      options=ocp.CheckpointManagerOptions(preservation_policy=policy,
+                                           create=True))
 
 
 def save(ckpt: ocp.CheckpointManager, step: int, params, opt_state) -> None:

@@ -7,14 +7,25 @@ ends with the same metrics as an uninterrupted one.
 
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from absl import logging
+import numpy as np
 import tensorboardX
 
 from experiments import program as program_lib
 
 TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
+
+# A run's status, from its metrics (`run_status`).
+SOLVED, PLATEAUED, RISING = "solved", "plateaued", "rising at cap"
+STATUSES = (SOLVED, PLATEAUED, RISING)
+# "plateaued": over the last PLATEAU_WINDOW steps trained at >= half the
+# peak rate, the least-squares slope of held-out accuracy is below
+# PLATEAU_RISE per 100 steps (0.5 points). 300 steps hold 12 evaluations at
+# the sweeps' eval_every of 25, enough to see a rise through eval noise.
+PLATEAU_WINDOW = 300
+PLATEAU_RISE = 0.005
 
 
 class MetricsLog:
@@ -30,8 +41,7 @@ class MetricsLog:
     self.writer = writer
     self.records = []
     if os.path.exists(self.path):
-      with open(self.path) as f:
-        self.records = [json.loads(line) for line in f if line.strip()]
+      self.records = read_records(self.path)
     program_lib.line_up("metrics log read")
     kept = [r for r in self.records if r["step"] <= resume_step]
     if len(kept) != len(self.records):
@@ -41,16 +51,14 @@ class MetricsLog:
     self.tb = None
     if not writer:
       return
-    with open(self.path, "w") as f:
-      for r in kept:
-        f.write(json.dumps(r) + "\n")
+    write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
     self.tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, record: dict[str, Any]) -> None:
     self.records.append(record)
     if not self.writer:
       return
-    with open(self.path, "a") as f:
+    with open(self.path, "a") as f:  # one write of one whole line
       f.write(json.dumps(record) + "\n")
     for key, value in record.items():
       if key not in ("step", "split") and value is not None:
@@ -64,6 +72,44 @@ class MetricsLog:
       self.tb.close()
 
 
+def write_atomic(path: str, text: str) -> None:
+  """Writes `path` whole or not at all (temporary file, then os.replace).
+
+  A kill at any instant leaves either the old file or the new one.
+  """
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+  """The records of a metrics.jsonl; a torn last line is dropped.
+
+  A process killed while appending leaves at most its last line unfinished:
+  that line is dropped with a warning (its step is retrained on resume). A
+  damaged line anywhere else is not a kill's doing: ValueError.
+  """
+  with open(path) as f:
+    lines = f.read().split("\n")
+  records = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      if any(rest.strip() for rest in lines[i + 1:]):
+        raise ValueError(f"{path} line {i + 1} is not a JSON record (a"
+                         " damaged file, not a torn last line): "
+                         f"{line[:80]!r}.") from None
+      logging.warning("Dropping the torn last line of %s (a run killed while"
+                      " writing it): %r.", path, line[:80])
+  return records
+
+
 def steps_to_accuracy(evals, target: float = TARGET_ACCURACY) -> int | None:
   """The first evaluated step whose held-out accuracy is >= target."""
   for r in evals:
@@ -72,3 +118,51 @@ def steps_to_accuracy(evals, target: float = TARGET_ACCURACY) -> int | None:
   return None
 
 
+
+
+def run_status(records: Sequence[dict[str, Any]],
+               target: float = TARGET_ACCURACY) -> str:
+  """SOLVED, PLATEAUED or RISING ("rising at cap") from a run's metrics.
+
+  SOLVED: some held-out accuracy >= `target`. PLATEAUED: the held-out
+  accuracy rose less than PLATEAU_RISE per 100 steps (least squares) over
+  the last PLATEAU_WINDOW steps trained at >= half the peak learning rate,
+  so a cosine schedule's low-rate tail cannot pass for a plateau. RISING:
+  anything else, including a run too short to hold such a window.
+  """
+  evals = [r for r in records if r["split"] == "eval"]
+  if any(r["accuracy"] >= target for r in evals):
+    return SOLVED
+  rates = [(r["step"], r["learning_rate"]) for r in records
+           if r["split"] == "train" and r.get("learning_rate") is not None]
+  if not rates:
+    return RISING
+  peak = max(lr for _, lr in rates)
+  hot = [step for step, lr in rates if lr >= 0.5 * peak]
+  end = max(hot)
+  window = [r for r in evals if end - PLATEAU_WINDOW <= r["step"] <= end]
+  # The rate is logged every log interval: the window is hot if its start
+  # lies within one interval of the first hot record.
+  interval = min(np.diff([step for step, _ in rates]), default=0)
+  if min(hot) > end - PLATEAU_WINDOW + interval or len(window) < 3:
+    return RISING
+  steps = np.array([r["step"] for r in window], float)
+  accs = np.array([r["accuracy"] for r in window], float)
+  slope = np.polyfit(steps, accs, 1)[0]
+  return PLATEAUED if 100 * slope < PLATEAU_RISE else RISING
+
+
+def train_seconds(records: Sequence[dict[str, Any]]) -> float:
+  """Wall seconds of the training steps in `records`, over every resume.
+
+  Each train record covers the steps since the one before at its
+  `steps_per_second` (evaluation and the first step's compilation
+  included), so the sum is the run's whole training time, not only the
+  last invocation's.
+  """
+  total, previous = 0.0, 0
+  for r in records:
+    if r["split"] == "train" and r.get("steps_per_second"):
+      total += (r["step"] - previous) / r["steps_per_second"]
+      previous = r["step"]
+  return total

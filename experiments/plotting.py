@@ -38,7 +38,8 @@ def plot_bands_by_task(
     series: Mapping[tuple[str, str], tuple[Sequence[float], ...]], *,
     tasks: Sequence[str], mixers: Sequence[str],
     chance: Mapping[str, float | None], log_x: bool, xlabel: str,
-    ylabel: str, title: str, path: str) -> None:
+    ylabel: str, title: str, path: str,
+    rising: Mapping[tuple[str, str], Sequence[bool]] | None = None) -> None:
   """One panel per task; per mixer a mean line with a min-max band.
 
   Args:
@@ -51,6 +52,8 @@ def plot_bands_by_task(
     log_x: a log2 x axis (for lengths).
     xlabel, ylabel, title: labels.
     path: where to write the PNG.
+    rising: (task, mixer) -> per point, whether a run behind it was still
+      rising at its step cap (drawn as a large open marker).
   """
   # At least 7.5 inches wide: one panel still fits the title and legend.
   fig, axes = plt.subplots(1, len(tasks),
@@ -68,6 +71,13 @@ def plot_bands_by_task(
               label=mixer)
       ax.fill_between(x, pct(low), pct(high), color=colors[mixer],
                       alpha=0.2, linewidth=0)
+      flags = (rising or {}).get((task, mixer), ())
+      open_x = [xi for xi, f in zip(x, flags) if f]
+      if open_x:
+        ax.plot(open_x, [100 * m for m, f in zip(mean, flags) if f],
+                linestyle="none", marker="o", markersize=8,
+                markerfacecolor="none", color=colors[mixer],
+                label="a run still rising at its cap")
       if len(counts) > 1:
         ax.annotate(f"n={count[-1]}", (x[-1], 100 * mean[-1]), fontsize=6,
                     color=colors[mixer], xytext=(3, 0),

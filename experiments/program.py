@@ -74,6 +74,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check("train.final_lr_fraction",
          isinstance(tr.final_lr_fraction, (int, float))
          and 0 <= tr.final_lr_fraction <= 1, "in [0, 1]", tr.final_lr_fraction)
+  schedule = tr.get("schedule", "cosine")
+  _check("train.schedule", schedule in SCHEDULES, f"one of {SCHEDULES}",
+         schedule)
+  if schedule == "wsd":
+    fraction = tr.decay_fraction
+    _check("train.decay_fraction", isinstance(fraction, (int, float))
+           and 0 < fraction <= 1, "in (0, 1]", fraction)
+    _check("train.decay_fraction", decay_start(tr) >= tr.warmup_steps,
+           f"small enough that the decay starts after train.warmup_steps"
+           f" ({tr.warmup_steps}) of train.num_steps ({tr.num_steps})",
+           fraction)
   _check("train.stop_at_accuracy", tr.stop_at_accuracy is None or (
       0 < tr.stop_at_accuracy <= 1), "None or in (0, 1]", tr.stop_at_accuracy)
   _check("train.warmup_steps", tr.warmup_steps < tr.num_steps,
@@ -202,12 +213,41 @@ def backend_context(config):
   return contextlib.nullcontext()
 
 
+SCHEDULES = ("cosine", "constant", "wsd")
+
+
+def decay_start(tr) -> int | None:
+  """The step at which a "wsd" schedule starts its decay; None otherwise."""
+  if tr.get("schedule", "cosine") != "wsd":
+    return None
+  return tr.num_steps - round(tr.decay_fraction * tr.num_steps)
+
+
+def make_schedule(tr) -> optax.Schedule:
+  """train.schedule: linear warm-up, then cosine, constant or wsd."""
+  peak, warmup = tr.learning_rate, tr.warmup_steps
+  end = peak * tr.final_lr_fraction
+  match tr.get("schedule", "cosine"):
+    case "cosine":
+      return optax.warmup_cosine_decay_schedule(
+          init_value=0.0, peak_value=peak, warmup_steps=warmup,
+          decay_steps=tr.num_steps, end_value=end)
+    case "constant":
+      return optax.warmup_constant_schedule(0.0, peak, warmup)
+    case "wsd":
+      start = decay_start(tr)
+      return optax.join_schedules(
+          [optax.linear_schedule(0.0, peak, warmup),
+           optax.constant_schedule(peak),
+           optax.linear_schedule(peak, end, tr.num_steps - start)],
+          boundaries=[warmup, start])
+  raise ValueError(f"train.schedule must be one of {SCHEDULES}; got"
+                   f" {tr.schedule!r}.")
+
+
 def make_optimizer(tr) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with linear warm-up, cosine decay and global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=tr.learning_rate,
-      warmup_steps=tr.warmup_steps, decay_steps=tr.num_steps,
-      end_value=tr.learning_rate * tr.final_lr_fraction)
+  """AdamW with `train.schedule` and global-norm clipping."""
+  schedule = make_schedule(tr)
   # No weight decay on vectors (norm scales, biases, gates' scalars).
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   opt = optax.chain(

@@ -9,7 +9,10 @@ on one workdir (each claims a run through a lock file); every process writes
 results.md, results.json and the figures when it has nothing left to train.
 `--only` keeps the runs whose name contains the string (a cell
 `mqar_T512/`, a mixer `/gdn_`, one run `mqar_T512/kda_seed1_lr0.003`).
-`--list` prints the runs and whether each is done. `--recall` trains
+`--extend_to=N` raises the step cap of the selected runs to N: every one
+that did not reach its stop_at_accuracy continues from its checkpoint (a
+"constant" or "wsd" schedule only; the steps it trained are the longer
+run's). `--list` prints the runs and whether each is done. `--recall` trains
 nothing: it bins the held-out accuracy of every finished Palindrome, MQAR
 and Stack run by lag (how far back the answer was written) and writes
 recall_vs_lag.json and recall_vs_lag_<task>.png (experiments/recall.py);
@@ -39,6 +42,9 @@ _ONLY = flags.DEFINE_string(
 _AGGREGATE_ONLY = flags.DEFINE_bool(
     "aggregate_only", False, "Train nothing; write the results of the"
     " finished runs.")
+_EXTEND_TO = flags.DEFINE_integer(
+    "extend_to", None, "Raise the step cap of the selected runs to this;"
+    " unsolved finished runs continue (constant or wsd schedules).")
 _LIST = flags.DEFINE_bool("list", False, "Print the runs and exit.")
 _RECALL = flags.DEFINE_bool(
     "recall", False, "Train nothing; write the finished runs' accuracy"
@@ -70,9 +76,12 @@ def main(argv):
   if sweep is None or not workdir:
     raise app.UsageError("--config and --workdir are required.")
   if _LIST.value:
-    for run in sweep_lib.expand(sweep):
+    runs = sweep_lib.expand(sweep)
+    if _EXTEND_TO.value is not None:
+      runs = sweep_lib.extend(runs, _EXTEND_TO.value)
+    for run in runs:
       if _ONLY.value is None or _ONLY.value in run.name:
-        done = sweep_lib.is_done(os.path.join(workdir, run.name))
+        done = sweep_lib.is_done(os.path.join(workdir, run.name), run.config)
         print(f"{'done' if done else 'todo'}  {run.name}")
     return
   train.quiet_orbax_logs()
@@ -89,7 +98,8 @@ def main(argv):
     return
   if not _AGGREGATE_ONLY.value:
     sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value,
-                        code_version=_code_version())
+                        code_version=_code_version(),
+                        extend_to=_EXTEND_TO.value)
   results = sweep_lib.aggregate(
       sweep, workdir, metadata=dict(aggregated_at=_code_version()))
   print(sweep_lib.results_markdown(results))  # the CLI's one output

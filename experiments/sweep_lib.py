@@ -11,14 +11,17 @@ A sweep config (e.g. configs/sweeps/kimi_synthetic.py) holds
   (optional) its `train.length_curriculum`;
 * `mixers`, `seeds`, `learning_rates`: the axes crossed with every cell;
   a mixer is a `model.mixer` name or the name of a variant;
+  `learning_rates` is a tuple for every mixer or a dict `{mixer: tuple}`
+  (rates chosen per mixer);
 * `variants` (optional): `{name: ((dotted field, value), ...)}`, a named
   model variant, e.g. `kda_negeig: (("model.mixer", "kda"),
   ("model.kda.allow_neg_eigval", True))` (configs/sweeps/parity.py);
 * `ablation`: `dict(mixer=..., seq_len=..., seeds=...)`, extra runs of one
-  mixer (e.g. `kda_zeroed`) on the cells of that length.
+  mixer (e.g. `kda_zeroed`) on the cells of that length, at the first
+  mixer's first learning rate.
 
-`expand(sweep)` lists the runs; `run_sweep` trains every run that has no
-`summary.json` yet into `<workdir>/<task>_T<len>/<mixer>_seed<s>_lr<lr>/`
+`expand(sweep)` lists the runs; `run_sweep` trains every run that is not
+finished (no `summary.json`, or with `extend_to` a raised step cap) into `<workdir>/<task>_T<len>/<mixer>_seed<s>_lr<lr>/`
 (each an ordinary, resumable run directory), so a killed sweep continues
 where it stopped; a run directory that holds a run of a different config
 (the sweep config was edited) stops the sweep and its aggregation with a
@@ -33,7 +36,10 @@ trained.
 
 `aggregate(sweep, workdir)` writes `results.json` (every run summary and one
 record per cell), `results.md` (one row per (task, length, mixer): mean, min
-and max over seeds of the best held-out accuracy and of the steps to 99%;
+and max over seeds of the best held-out accuracy and of the steps to 99%,
+the runs' statuses (`metrics.run_status`: solved, plateaued or rising at
+cap); per cell, the first mixer's per-seed difference from each other one
+with a verdict (`compare`); one row per run;
 with `train.eval_lengths`, a second table of the final parameters' accuracy
 at each evaluation length, and `length_generalisation.png`) and two
 figures: `accuracy_vs_length.png` (per task, mean with a min-max
@@ -56,6 +62,7 @@ from absl import logging
 import ml_collections
 import numpy as np
 
+from experiments import metrics as metrics_lib
 from experiments import plotting
 from experiments import train
 
@@ -131,9 +138,20 @@ def validate_sweep(sweep) -> None:
     seen.add(key)
   if len(set(sweep.seeds)) != len(sweep.seeds):
     raise ValueError(f"sweep.seeds must be distinct; got {sweep.seeds}.")
+  if not isinstance(sweep.learning_rates, (tuple, list)):
+    missing = [m for m in sweep.mixers if not sweep.learning_rates.get(m)]
+    if missing:
+      raise ValueError(f"sweep.learning_rates must give rates for every mixer;"
+                       f" missing {missing}.")
   for name, variant in sweep.get("variants", {}).items():
     if "model.mixer" not in dict(variant):
       raise ValueError(f"sweep.variants[{name!r}] must set 'model.mixer'.")
+
+
+def learning_rates(sweep, mixer: str) -> tuple[float, ...]:
+  """The rates `mixer` runs at (sweep.learning_rates, shared or per mixer)."""
+  rates = sweep.learning_rates
+  return tuple(rates if isinstance(rates, (tuple, list)) else rates[mixer])
 
 
 def expand(sweep) -> list[Run]:
@@ -147,7 +165,7 @@ def expand(sweep) -> list[Run]:
   for seed in sweep.seeds:
     for cell in sorted(sweep.cells, key=lambda c: c["task"]["seq_len"]):
       for mixer in sweep.mixers:
-        for lr in sweep.learning_rates:
+        for lr in learning_rates(sweep, mixer):
           runs.append(_run(sweep, cell, mixer, seed, lr))
   ablation = sweep.get("ablation")
   if ablation:
@@ -155,7 +173,7 @@ def expand(sweep) -> list[Run]:
       for cell in sweep.cells:
         if cell["task"]["seq_len"] == ablation["seq_len"]:
           runs.append(_run(sweep, cell, ablation["mixer"], seed,
-                           sweep.learning_rates[0]))
+                           learning_rates(sweep, sweep.mixers[0])[0]))
   for run in runs:
     train.validate_config(run.config)
   return runs
@@ -201,9 +219,37 @@ def release(run_dir: str) -> None:
     os.unlink(run_dir + LOCK_SUFFIX)
 
 
-def is_done(run_dir: str) -> bool:
-  return (os.path.exists(os.path.join(run_dir, "summary.json"))
-          or os.path.exists(os.path.join(run_dir, "error.json")))
+def is_done(run_dir: str, config=None) -> bool:
+  """Diverged, or finished (for `config`: reached its stop_at_accuracy or
+  trained its num_steps; a run extended past them is done too)."""
+  if os.path.exists(os.path.join(run_dir, "error.json")):
+    return True
+  path = os.path.join(run_dir, "summary.json")
+  if not os.path.exists(path):
+    return False
+  if config is None:
+    return True
+  with open(path) as f:
+    return train.is_finished(json.load(f), config)
+
+
+def extend(runs: Sequence[Run], num_steps: int) -> list[Run]:
+  """The runs with train.num_steps raised to at least `num_steps`.
+
+  Only for schedules that extend (train.EXTENDABLE_SCHEDULES): a finished
+  run that did not reach stop_at_accuracy then resumes from its checkpoint.
+  """
+  out = []
+  for run in runs:
+    tr = run.config.train
+    if tr.schedule not in train.EXTENDABLE_SCHEDULES:
+      raise ValueError(
+          f"extend_to needs train.schedule in {train.EXTENDABLE_SCHEDULES};"
+          f" {run.name} has {tr.schedule!r}.")
+    config = copy.deepcopy(run.config)
+    config.train.num_steps = max(tr.num_steps, num_steps)
+    out.append(dataclasses.replace(run, config=config))
+  return out
 
 
 def check_workdir(runs: Sequence[Run], workdir: str) -> None:
@@ -252,8 +298,13 @@ def read_commits(run_dir: str) -> list[str]:
 
 
 def run_sweep(sweep, workdir: str, *, only: str | None = None,
-              code_version: str | None = None) -> list[Run]:
+              code_version: str | None = None,
+              extend_to: int | None = None) -> list[Run]:
   """Trains every unfinished run (whose name contains `only`, if given).
+
+  With `extend_to`, a run's step cap is raised to at least that many steps
+  (`extend`), so every selected run that did not reach its
+  stop_at_accuracy continues to it.
 
   A run whose training fails with non-finite gradients is recorded as
   `error.json` in its directory (a divergence is a result, not a crash of
@@ -264,17 +315,20 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
   runs = [r for r in expand(sweep) if only is None or only in r.name]
   if not runs:
     raise ValueError(f"no run of the sweep matches {only!r}.")
+  if extend_to is not None:
+    runs = extend(runs, extend_to)
   check_workdir(runs, workdir)
-  todo = [r for r in runs if not is_done(os.path.join(workdir, r.name))]
+  todo = [r for r in runs
+          if not is_done(os.path.join(workdir, r.name), r.config)]
   logging.info("Sweep: %d runs, %d done, %d to do.", len(runs),
                len(runs) - len(todo), len(todo))
   trained, t0 = [], time.time()
   for i, run in enumerate(todo):
     run_dir = os.path.join(workdir, run.name)
-    if is_done(run_dir) or not claim(run_dir):
+    if is_done(run_dir, run.config) or not claim(run_dir):
       continue  # finished or being trained by another process
     try:
-      if is_done(run_dir):  # finished between the check and the claim
+      if is_done(run_dir, run.config):  # finished since the check
         continue
       logging.info("Sweep run %d/%d: %s", i + 1, len(todo), run.name)
       if code_version:
@@ -295,13 +349,19 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
   return trained
 
 
-def _read_run(run_dir: str) -> dict[str, Any] | None:
-  """The run's summary plus its eval curve, or None when not finished."""
-  evals = []
+def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
+  """The run's summary plus its eval curve, or None when not finished.
+
+  Its status (`metrics.run_status`, or "diverged"), training seconds over
+  every resume and step cap (config.json's, else `cap`) come from its
+  metrics and config, so runs written before the summary had them read the
+  same way.
+  """
+  records = []
   path = os.path.join(run_dir, "metrics.jsonl")
   if os.path.exists(path):
-    with open(path) as f:
-      evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
+    records = metrics_lib.read_records(path)
+  evals = [r for r in records if r["split"] == "eval"]
   summary_path = os.path.join(run_dir, "summary.json")
   error_path = os.path.join(run_dir, "error.json")
   if os.path.exists(summary_path):
@@ -315,6 +375,12 @@ def _read_run(run_dir: str) -> dict[str, Any] | None:
                      steps_to_99=None, wall_seconds=None)
   else:
     return None
+  summary["status"] = ("diverged" if "error" in summary
+                       else metrics_lib.run_status(records))
+  summary["train_seconds"] = metrics_lib.train_seconds(records)
+  stored = train.stored_config(run_dir)
+  summary["num_steps"] = cap if stored is None else stored["train"][
+      "num_steps"]
   summary["commits"] = read_commits(run_dir)
   summary["eval_steps"] = [r["step"] for r in evals]
   summary["eval_accuracy"] = [r["accuracy"] for r in evals]
@@ -339,7 +405,8 @@ def aggregate(sweep, workdir: str, *,
   check_workdir(runs, workdir)
   found = []
   for run in runs:
-    summary = _read_run(os.path.join(workdir, run.name))
+    summary = _read_run(os.path.join(workdir, run.name),
+                        run.config.train.num_steps)
     if summary is not None:
       found.append((run, summary))
   cells: dict[tuple, dict[float, list]] = {}
@@ -364,10 +431,13 @@ def aggregate(sweep, workdir: str, *,
         num_diverged=sum("error" in s for _, s in items),
         chance_accuracy=next((s.get("chance_accuracy") for _, s in items
                               if s.get("chance_accuracy") is not None), None),
-        num_steps=items[0][0].config.train.num_steps,
+        best_by_seed={r.seed: s["best_eval_accuracy"] for r, s in items},
+        statuses={st: n for st in metrics_lib.STATUSES + ("diverged",)
+                  if (n := sum(s["status"] == st for _, s in items))},
+        num_steps=max(s["num_steps"] for _, s in items),
         length_curriculum=[list(stage) for stage in items[0][0].config.train
                            .get("length_curriculum", ())],
-        wall_seconds=float(sum(s["wall_seconds"] or 0 for _, s in items)),
+        train_seconds=float(sum(s["train_seconds"] for _, s in items)),
         length_accuracy=_length_stats(s for _, s in items),
     ))
   order = {m: i for i, m in enumerate(
@@ -378,8 +448,9 @@ def aggregate(sweep, workdir: str, *,
       sweep=sweep.get("name", "sweep"),
       metadata=metadata or {},
       num_runs=len(runs), num_finished=len(found),
-      train_seconds=float(sum(s.get("wall_seconds") or 0 for _, s in found)),
+      train_seconds=float(sum(s["train_seconds"] for _, s in found)),
       cells=records,
+      comparisons=compare(records, sweep.mixers),
       runs=[dict(name=r.name, **{k: v for k, v in s.items()})
             for r, s in found])
   os.makedirs(workdir, exist_ok=True)
@@ -390,6 +461,43 @@ def aggregate(sweep, workdir: str, *,
   if records:
     plot_sweep(results, sweep, workdir)
   return results
+
+
+def compare(cells: Sequence[dict[str, Any]],
+            mixers: Sequence[str]) -> list[dict[str, Any]]:
+  """Per (task, length): the first mixer against each other one, by seed.
+
+  The per-seed difference of best held-out accuracy (the seeds both have),
+  its mean, min and max, and a verdict: "ahead in every seed", "behind in
+  every seed", "both solve in every seed" (then steps to 99% tell them
+  apart), or "mixed".
+  """
+  by_key = {(c["task"], c["seq_len"], c["mixer"]): c for c in cells}
+  out = []
+  for (task, seq_len, mixer), first in by_key.items():
+    if mixer != mixers[0]:
+      continue
+    for other in mixers[1:]:
+      second = by_key.get((task, seq_len, other))
+      if second is None:
+        continue
+      seeds = sorted(set(first["best_by_seed"]) & set(second["best_by_seed"]))
+      a = [first["best_by_seed"][s] or 0.0 for s in seeds]
+      b = [second["best_by_seed"][s] or 0.0 for s in seeds]
+      diff = [x - y for x, y in zip(a, b)]
+      if not diff:
+        continue
+      if min(a + b) >= metrics_lib.TARGET_ACCURACY:
+        verdict = "both solve in every seed"
+      elif min(diff) > 0:
+        verdict = "ahead in every seed"
+      elif max(diff) < 0:
+        verdict = "behind in every seed"
+      else:
+        verdict = "mixed"
+      out.append(dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
+                      seeds=seeds, difference=_stats(diff), verdict=verdict))
+  return sorted(out, key=lambda c: (c["task"], c["seq_len"], c["other"]))
 
 
 def _length_stats(summaries) -> dict[str, dict[str, float]] | None:
@@ -432,11 +540,15 @@ def results_markdown(results: dict[str, Any]) -> str:
         for c, n in trained_at.items()) + ".", ""]
   lines += [
       f"{results['num_finished']} of {results['num_runs']} runs finished;"
-      f" {results['train_seconds'] / 3600:.2f} hours of training (after"
-      " compilation, summed over runs).", "",
+      f" {results['train_seconds'] / 3600:.2f} hours of training, summed"
+      " over runs from their metrics (every resumed part included).", "",
+      "Status of a run, from its metrics: solved (>= 99%), plateaued (held-out"
+      " accuracy rising < 0.5 points per 100 steps over the last 300 steps at"
+      " >= half the peak rate), rising at cap (anything else).", "",
       "| task | T | mixer | lr | seeds | best acc % mean [min, max] |"
-      " reached 99% | steps to 99% mean [min, max] | step cap | chance % |",
-      "|---|---|---|---|---|---|---|---|---|---|"]
+      " reached 99% | steps to 99% mean [min, max] | step cap | status |"
+      " chance % |",
+      "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results["cells"]:
     acc = r["best_accuracy"]
     steps = r["steps_to_99"]
@@ -450,7 +562,9 @@ def results_markdown(results: dict[str, Any]) -> str:
         f" {r['learning_rate']:g} | {len(r['seeds'])} | {acc_s} |"
         f" {r['num_reached_99']}/{len(r['seeds'])} | {steps_s} |"
         f" {r['num_steps']}{_stages(r.get('length_curriculum'))} |"
+        f" {_statuses(r.get('statuses'))} |"
         f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
+  lines += _comparison_lines(results.get("comparisons", ()))
   with_lengths = [r for r in results["cells"] if r.get("length_accuracy")]
   if with_lengths:
     lengths = sorted({int(n) for r in with_lengths
@@ -468,7 +582,42 @@ def results_markdown(results: dict[str, Any]) -> str:
                f" {_pct(acc[str(n)], 'max')}]") for n in lengths]
       lines.append(f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
                    f" {len(r['seeds'])} | " + " | ".join(cols) + " |")
+  lines += _run_lines(results.get("runs", ()))
   return "\n".join(lines) + "\n"
+
+
+def _statuses(statuses) -> str:
+  """'2 solved, 1 rising at cap' (or '-' for runs that predate it)."""
+  return ", ".join(f"{n} {st}" for st, n in (statuses or {}).items()) or "-"
+
+
+def _comparison_lines(comparisons) -> list[str]:
+  if not comparisons:
+    return []
+  lines = ["", "## Per-seed differences of best held-out accuracy", "",
+           "| task | T | pair | seeds | difference, points: mean [min, max] |"
+           " verdict |", "|---|---|---|---|---|---|"]
+  for c in comparisons:
+    d = c["difference"]
+    lines.append(
+        f"| {c['task']} | {c['seq_len']} | {c['mixer']} - {c['other']} |"
+        f" {len(c['seeds'])} | {100 * d['mean']:+.1f} [{100 * d['min']:+.1f},"
+        f" {100 * d['max']:+.1f}] | {c['verdict']} |")
+  return lines
+
+
+def _run_lines(runs) -> list[str]:
+  if not runs:
+    return []
+  lines = ["", "## Runs", "", "| run | steps | step cap | best acc % |"
+           " status | training minutes |", "|---|---|---|---|---|---|"]
+  for r in runs:
+    best = r.get("best_eval_accuracy")
+    lines.append(
+        f"| {r['name']} | {r.get('steps', '-')} | {r['num_steps']} |"
+        f" {'-' if best is None else f'{100 * best:.1f}'} | {r['status']} |"
+        f" {r['train_seconds'] / 60:.1f} |")
+  return lines
 
 
 def _curve_on_grid(steps, accs, grid):
@@ -518,7 +667,7 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
       sweep.get("ablation", {}).get("mixer")] if m]
   plot_length_generalisation(
       results, mixers, os.path.join(workdir, "length_generalisation.png"))
-  series = {}
+  series, rising = {}, {}
   for task in tasks:
     for mixer in mixers:
       rows = sorted((c for c in cells
@@ -526,6 +675,8 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
                      and c["best_accuracy"] is not None),
                     key=lambda c: c["seq_len"])
       if rows:
+        rising[(task, mixer)] = [
+            metrics_lib.RISING in (c.get("statuses") or {}) for c in rows]
         series[(task, mixer)] = (
             [c["seq_len"] for c in rows],
             [c["best_accuracy"]["mean"] for c in rows],
@@ -537,7 +688,8 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
       series, tasks=tasks, mixers=mixers, chance=chance, log_x=True,
       xlabel="sequence length T", ylabel="best held-out accuracy (%)",
       title="best held-out accuracy vs length (mean, band: min-max over"
-      " seeds)", path=os.path.join(workdir, "accuracy_vs_length.png"))
+      " seeds)", path=os.path.join(workdir, "accuracy_vs_length.png"),
+      rising=rising)
   curve_len = sweep.get("curve_seq_len")
   if not curve_len:
     return

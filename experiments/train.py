@@ -130,14 +130,68 @@ def _length_accuracy(config, prog, params) -> dict[str, float]:
   return out
 
 
-def _finished_summary(workdir: str, ckpt) -> dict[str, Any] | None:
+def is_finished(summary: dict[str, Any], config) -> bool:
+  """Whether a run with this summary.json needs no more steps of `config`.
+
+  It reached train.stop_at_accuracy, or trained train.num_steps (a run of
+  an extendable schedule whose num_steps was raised is not finished).
+  """
+  target = config.train.stop_at_accuracy
+  best = summary.get("best_eval_accuracy")
+  return summary["steps"] >= config.train.num_steps or (
+      target is not None and best is not None and best >= target)
+
+
+def _finished_summary(workdir: str, ckpt, config) -> dict[str, Any] | None:
   """The summary of a run that already finished in `workdir`, else None."""
   path = os.path.join(workdir, "summary.json")
   if not os.path.exists(path) or ckpt.latest_step() is None:
     return None
   with open(path) as f:
     previous = json.load(f)
-  return previous if previous.get("steps") == ckpt.latest_step() else None
+  if previous.get("steps") != ckpt.latest_step():
+    return None  # killed while extending: resume from the checkpoint
+  return previous if is_finished(previous, config) else None
+
+
+def stored_config(workdir: str) -> dict[str, Any] | None:
+  """The workdir's config.json as a dict; None if it has none."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _resume_step(workdir: str, ckpt, tr, stored) -> int:
+  """The checkpoint step a run continues from (0: from the start).
+
+  The latest checkpoint, unless train.num_steps changed a "wsd" schedule:
+  then the latest one before either run's decay started (the steps up to
+  it ran at the rates of the new schedule); ValueError if there is none.
+  """
+  latest = ckpt.latest_step() or 0
+  if not latest:
+    return 0
+  if stored is None or stored["train"]["num_steps"] == tr.num_steps:
+    limit = latest
+  else:
+    limit = latest if tr.schedule == "constant" else min(
+        program_lib.decay_start(tr),
+        program_lib.decay_start(ml_collections.ConfigDict(stored["train"])))
+  start = max((s for s in ckpt.all_steps() if s <= limit), default=None)
+  if start is None:
+    raise ValueError(
+        f"train.num_steps: {workdir} has no checkpoint at or before step"
+        f" {limit}, where its \"wsd\" decay started, so it cannot be"
+        f" extended to {tr.num_steps} steps; use a new workdir.")
+  if start > tr.num_steps:
+    raise ValueError(
+        f"train.num_steps ({tr.num_steps}) must be >= the step of"
+        f" {workdir}'s checkpoint ({start}) to resume it.")
+  for later in sorted(s for s in ckpt.all_steps() if s > start):
+    ckpt.delete(later)  # the decay steps of the shorter schedule
+  return start
 
 
 # Fields that may change between a run and its resumption: where and how it
@@ -151,7 +205,13 @@ RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
 # value that reproduces what the code did before (a run directory written
 # then resumes, and counts as the same config, only where the new config
 # keeps that value).
-ADDED_FIELDS = {"train.eval_lengths": (), "train.length_curriculum": ()}
+ADDED_FIELDS = {"train.eval_lengths": (), "train.length_curriculum": (),
+                "train.schedule": "cosine", "train.decay_fraction": 0.2}
+
+# Schedules whose num_steps may change between a run and its resumption: a
+# constant rate does not depend on it, and a "wsd" run resumes from before
+# its decay (`_resume_step`). A cosine schedule depends on it at every step.
+EXTENDABLE_SCHEDULES = ("constant", "wsd")
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -168,21 +228,22 @@ def config_differences(workdir: str,
   """The fields where `workdir`'s config.json and `config` disagree.
 
   One "field: stored -> new" line per difference, outside RESUMABLE_FIELDS;
-  empty when the workdir has no config.json. A field of ADDED_FIELDS absent
+  empty when the workdir has no config.json; `train.num_steps` only counts
+  for a schedule outside EXTENDABLE_SCHEDULES. A field of ADDED_FIELDS absent
   from the stored config ran as the code before it did: it differs only
   where the new config sets another value. Any other field only one side
   has is a change of code, not of config (runs record their commit).
   """
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  stored = stored_config(workdir)
+  if stored is None:
     return []
-  with open(path) as f:
-    stored = _flatten(json.load(f))
+  stored = _flatten(stored)
   new = _flatten(json.loads(config.to_json_best_effort()))
   defaults = json.loads(json.dumps(ADDED_FIELDS))  # as read back from JSON
   lines = []
+  extendable = new.get("train.schedule") in EXTENDABLE_SCHEDULES
   for key in sorted(new):
-    if key in RESUMABLE_FIELDS:
+    if key in RESUMABLE_FIELDS or (key == "train.num_steps" and extendable):
       continue
     if key in stored:
       if stored[key] != new[key]:  # both sides read back from JSON
@@ -236,14 +297,17 @@ def _summary(config, task, params, log, *, last, start, wall):
       seq_len=task.seq_len, mesh=[config.mesh.data, config.mesh.context],
       num_params=model_lib.count_params(params),
       wall_seconds=wall, steps_per_second=trained / wall if trained else None,
-      steps_trained_this_run=trained)
+      steps_trained_this_run=trained,
+      schedule=tr.schedule, num_steps=tr.num_steps,
+      status=metrics_lib.run_status(log.records),
+      train_seconds=metrics_lib.train_seconds(log.records))
 
 
 def _write_outputs(config, task, workdir, summary, evals) -> None:
   if jax.process_index() != 0:
     return
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  metrics_lib.write_atomic(os.path.join(workdir, "summary.json"),
+                           json.dumps(summary, indent=2))
   plotting.plot_accuracy(
       {config.model.mixer: ([r["step"] for r in evals],
                             [r["accuracy"] for r in evals])},
@@ -272,13 +336,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   prog = program_lib.build_program(config)
   task = prog.task
   check_resumable(workdir, config)
+  stored = stored_config(workdir)
   # Every process has read the stored config before process 0 replaces it.
   program_lib.line_up("config checked")
-  if jax.process_index() == 0:
-    path = os.path.join(workdir, "config.json")
-    with open(path + ".tmp", "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(path + ".tmp", path)  # never a half-written config.json
   b, t = tr.batch_size, task.seq_len
   logging.info("Task %s: T=%d, vocab %d, chance accuracy %.4f.", task.name, t,
                task.vocab_size, task.chance_accuracy)
@@ -295,14 +355,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                config.model.mixer, model_lib.count_params(params),
                program_lib.kda_backend(config))
 
-  ckpt = checkpoints.manager(workdir)
-  previous = _finished_summary(workdir, ckpt)
+  decay_start = program_lib.decay_start(tr)
+  ckpt = checkpoints.manager(
+      workdir, keep_steps=() if decay_start is None else (decay_start,))
+  previous = _finished_summary(workdir, ckpt, config)
   if previous is not None:
     ckpt.close()
     logging.info("%s already finished (%d steps); nothing to do.", workdir,
                  previous["steps"])
     return previous
-  start = ckpt.latest_step() or 0
+  if jax.process_index() == 0:
+    metrics_lib.write_atomic(
+        os.path.join(workdir, "config.json"),
+        config.to_json_best_effort(indent=2, sort_keys=True))
+  start = _resume_step(workdir, ckpt, tr, stored)
   if start:
     params, opt_state = checkpoints.restore(ckpt, start, params, opt_state)
     logging.info("Resumed from the checkpoint at step %d in %s.", start,
@@ -340,7 +406,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                    acc)
       solved = (tr.stop_at_accuracy is not None
                 and acc >= tr.stop_at_accuracy)
-    if done % tr.checkpoint_every == 0 or done == tr.num_steps or solved:
+    if (done % tr.checkpoint_every == 0 or done in (tr.num_steps, decay_start)
+        or solved):
       checkpoints.save(ckpt, done, params, opt_state)
     if solved:
       logging.info("Held-out accuracy %.4f >= train.stop_at_accuracy %.4f at"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs.sweeps import kimi_synthetic
+from configs.sweeps import kimi_synthetic_600steps
 from configs.sweeps import parity as sweep_parity
 from experiments import recall
 from experiments import sweep_lib
@@ -39,14 +40,64 @@ def test_the_kimi_synthetic_grid():
     assert r.config.model.mixer == r.mixer and r.config.seed == r.seed
   mqar = {r.seq_len: r.config.task for r in main if r.task == "mqar"}
   assert [mqar[n].num_pairs for n in (256, 512, 1024)] == [16, 24, 32]
-  # Palindrome past 256 tokens starts short: equal shares of the 600 steps
-  # at each doubling from 256; the other tasks train at their length.
+  # Palindrome past 256 tokens starts short: 200 steps at each doubling
+  # from 256; the other tasks train at their length.
   curricula = {(r.task, r.seq_len): r.config.train.length_curriculum
                for r in runs}
   assert curricula[("palindrome", 256)] == ()
-  assert curricula[("palindrome", 512)] == ((300, 256),)
+  assert curricula[("palindrome", 512)] == ((200, 256),)
   assert curricula[("palindrome", 1024)] == ((200, 256), (200, 512))
   assert all(c == () for (t, _), c in curricula.items() if t != "palindrome")
+  # The calibration's runs at a mixer's chosen rate are the protocol's.
+  protocol = {r.name: r.config for r in runs}
+  calibration = sweep_lib.expand(kimi_synthetic.get_config("calibration"))
+  shared = [r for r in calibration if r.name in protocol]
+  assert len(shared) == 3 * 3 and all(
+      r.config == protocol[r.name] for r in shared)
+  # The first protocol's runs are the committed ones.
+  first = sweep_lib.expand(kimi_synthetic_600steps.get_config())
+  assert len(first) == 84 and all(
+      r.config.train.num_steps == 600 for r in first)
+
+
+def test_extend_to_continues_the_unsolved_runs(tmp_path):
+  sweep = kimi_synthetic.get_config("smoke")
+  workdir = str(tmp_path)
+  only = "stack_T32/kda_seed0"
+  (run,) = sweep_lib.run_sweep(sweep, workdir, only=only)
+  run_dir = os.path.join(workdir, run.name)
+  assert sweep_lib.is_done(run_dir, run.config)
+  assert sweep_lib.run_sweep(sweep, workdir, only=only) == []
+  (extended,) = sweep_lib.extend([run], 8)
+  assert not sweep_lib.is_done(run_dir, extended.config)
+  assert sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=8)
+  with open(os.path.join(run_dir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["steps"] == 8 and summary["steps_trained_this_run"] == 4
+  # Aggregated with the sweep's own cap, the extended run reports its own.
+  results = sweep_lib.aggregate(sweep, workdir)
+  assert results["runs"][0]["num_steps"] == 8
+  cosine = sweep_lib.expand(kimi_synthetic_600steps.get_config())[:1]
+  with pytest.raises(ValueError, match="extend_to needs train.schedule"):
+    sweep_lib.extend(cosine, 1000)
+
+
+def test_compare_gives_a_verdict_per_cell():
+  def cell(mixer, best):
+    return dict(task="mqar", seq_len=64, mixer=mixer,
+                best_by_seed=dict(enumerate(best)))
+  cells = [cell("kda", [0.5, 0.6, 0.7]), cell("gdn", [0.4, 0.5, 0.6]),
+           cell("attention", [0.6, 0.5, 0.9]), cell("none", [1.0, 0.995])]
+  out = {c["other"]: c for c in sweep_lib.compare(
+      cells, ("kda", "gdn", "attention", "none"))}
+  assert out["gdn"]["verdict"] == "ahead in every seed"
+  assert out["gdn"]["difference"]["mean"] == pytest.approx(0.1)
+  assert out["attention"]["verdict"] == "mixed"
+  assert out["none"]["seeds"] == [0, 1]
+  assert out["none"]["verdict"] == "behind in every seed"
+  solved = [cell("kda", [0.99, 1.0]), cell("gdn", [1.0, 0.995])]
+  (both,) = sweep_lib.compare(solved, ("kda", "gdn"))
+  assert both["verdict"] == "both solve in every seed"
 
 
 def test_sweep_config_errors():
@@ -186,11 +237,11 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   # An edited sweep does not count (or resume) the old config's runs ...
   edited = sweep.copy_and_resolve_references()
   edited.unlock()
-  edited.cells = (dict(edited.cells[0], num_steps=8),) + edited.cells[1:]
+  edited.cells = (dict(edited.cells[0], batch_size=2),) + edited.cells[1:]
   for call in (lambda: sweep_lib.run_sweep(edited, workdir, only=only),
                lambda: sweep_lib.aggregate(edited, workdir)):
     with pytest.raises(ValueError, match=r"stack_T32/kda_seed0_lr0.003 \("
-                       r"train.num_steps: 4 -> 8\)"):
+                       r"train.batch_size: 4 -> 2"):
       call()
   # ... but where and how often it logs may change.
   edited = sweep.copy_and_resolve_references()
