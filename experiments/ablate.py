@@ -23,6 +23,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from configs import common as config_lib
+from experiments import metrics as metrics_lib
 from experiments import plotting
 from experiments import train
 
@@ -85,17 +86,17 @@ def run_ablation(config, workdir: str, mixers, seeds, learning_rates):
         with train.backend_context(cfg):
           summary = train.train_and_evaluate(cfg, run_dir)
         summaries.append(summary)
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-          evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
+        evals = [r for r in metrics_lib.read_records(
+            os.path.join(run_dir, "metrics.jsonl")) if r["split"] == "eval"]
         label = mixer if len(seeds) * len(learning_rates) == 1 else name
         curves[label] = ([r["step"] for r in evals],
                          [r["accuracy"] for r in evals])
   task = summaries[0]["task"]
   table = results_table(summaries)
-  with open(os.path.join(workdir, "results.md"), "w") as f:
-    f.write(f"# {task}: ablation over mixers\n\n{table}\n")
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(summaries, f, indent=2)
+  metrics_lib.write_atomic(os.path.join(workdir, "results.md"),
+                           f"# {task}: ablation over mixers\n\n{table}\n")
+  metrics_lib.write_atomic(os.path.join(workdir, "results.json"),
+                           json.dumps(summaries, indent=2))
   plotting.plot_accuracy(curves, chance=summaries[0]["chance_accuracy"],
                          path=os.path.join(workdir, "accuracy.png"),
                          title=f"{task}: held-out accuracy by mixer")

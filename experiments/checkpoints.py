@@ -48,3 +48,33 @@ def restore(ckpt: ocp.CheckpointManager, step: int, params, opt_state):
   restored = ckpt.restore(step, args=ocp.args.StandardRestore(
       dict(params=params, opt_state=opt_state)))
   return restored["params"], restored["opt_state"]
+
+
+def restore_latest(ckpt: ocp.CheckpointManager, limit: int, params,
+                   opt_state):
+  """(step, params, opt_state) of the latest readable checkpoint <= `limit`.
+
+  A checkpoint that fails to read (a truncated or missing file: damaged
+  after it was written) is logged, deleted and the one before it tried
+  (orbax keeps two); ValueError naming the directory when none can be read,
+  rather than a silent restart from step 0.
+  """
+  damaged = []
+  for step in sorted((s for s in ckpt.all_steps() if s <= limit),
+                     reverse=True):
+    try:
+      return (step, *restore(ckpt, step, params, opt_state))
+    except Exception as e:  # pylint: disable=broad-except
+      # orbax and TensorStore raise many types for one unreadable file.
+      logging.warning("Checkpoint %d in %s cannot be read (%s: %s); trying"
+                      " the one before it.", step, ckpt.directory,
+                      type(e).__name__, str(e).splitlines()[0][:200])
+      damaged.append(step)
+  raise ValueError(
+      f"{ckpt.directory}: no checkpoint at or before step {limit} can be"
+      f" read (damaged: {damaged}); remove the run directory to retrain it.")
+
+
+def delete(ckpt: ocp.CheckpointManager, steps) -> None:
+  for step in steps:
+    ckpt.delete(step)

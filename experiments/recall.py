@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from experiments import checkpoints
+from experiments import metrics as metrics_lib
 from experiments import model as model_lib
 from experiments import plotting
 from experiments import program as program_lib
@@ -257,8 +258,7 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
         mean=_nan_list(mean), min=_nan_list(low), max=_nan_list(high)))
   out = dict(metadata=metadata or {}, runs=per_run, cells=records,
              unprofiled=unprofiled)
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
+  metrics_lib.write_atomic(path, json.dumps(out, indent=1))
   mixers = [m for m in list(sweep.mixers) + [
       sweep.get("ablation", {}).get("mixer")] if m]
   for task in sorted({r["task"] for r in records}):

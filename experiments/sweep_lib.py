@@ -26,8 +26,9 @@ finished (no `summary.json`, or with `extend_to` a raised step cap) into `<workd
 where it stopped; a run directory that holds a run of a different config
 (the sweep config was edited) stops the sweep and its aggregation with a
 ValueError naming the runs and fields. Several processes may work on one
-workdir at once: each run is claimed by creating `<run dir>.lock` (holding
-the claimer's pid); a lock whose process is gone is taken over.
+workdir at once, on one host or several sharing it: each run is claimed
+through `<run dir>.lock` (experiments/run_lock.py: host, pid and a lease
+the trainer refreshes; taken over only when its owner is provably gone).
 
 Each run directory also gets `commits.txt`, the commit(s) of the code that
 trained it (one line per commit, in order, when a run was resumed at
@@ -50,7 +51,6 @@ Kimi Linear §5.1, best of a learning-rate grid), with every rate's runs kept
 in results.json.
 """
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -64,9 +64,8 @@ import numpy as np
 
 from experiments import metrics as metrics_lib
 from experiments import plotting
+from experiments import run_lock
 from experiments import train
-
-LOCK_SUFFIX = ".lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,46 +178,6 @@ def expand(sweep) -> list[Run]:
   return runs
 
 
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
-def claim(run_dir: str) -> bool:
-  """Creates `run_dir`.lock for this process; False if a live one holds it."""
-  path = run_dir + LOCK_SUFFIX
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  for _ in range(2):
-    try:
-      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-      try:
-        with open(path) as f:
-          pid = int(f.read().strip() or 0)
-      except (OSError, ValueError):
-        pid = 0
-      if pid and (pid == os.getpid() or _pid_alive(pid)):
-        return pid == os.getpid()
-      logging.info("Taking over %s (its process %d is gone).", path, pid)
-      with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-      continue
-    with os.fdopen(fd, "w") as f:
-      f.write(str(os.getpid()))
-    return True
-  return False
-
-
-def release(run_dir: str) -> None:
-  with contextlib.suppress(FileNotFoundError):
-    os.unlink(run_dir + LOCK_SUFFIX)
-
-
 def is_done(run_dir: str, config=None) -> bool:
   """Diverged, or finished (for `config`: reached its stop_at_accuracy or
   trained its num_steps; a run extended past them is done too)."""
@@ -285,8 +244,8 @@ def record_commit(run_dir: str, code_version: str) -> None:
   if known and known[-1] == code_version:
     return
   os.makedirs(run_dir, exist_ok=True)
-  with open(path, "a") as f:
-    f.write(code_version + "\n")
+  metrics_lib.write_atomic(path, "".join(c + "\n"
+                                         for c in known + [code_version]))
 
 
 def read_commits(run_dir: str) -> list[str]:
@@ -325,7 +284,7 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
   trained, t0 = [], time.time()
   for i, run in enumerate(todo):
     run_dir = os.path.join(workdir, run.name)
-    if is_done(run_dir, run.config) or not claim(run_dir):
+    if is_done(run_dir, run.config) or not run_lock.claim(run_dir):
       continue  # finished or being trained by another process
     try:
       if is_done(run_dir, run.config):  # finished since the check
@@ -334,18 +293,18 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
       if code_version:
         record_commit(run_dir, code_version)
       try:
-        with train.backend_context(run.config):
+        with run_lock.Lease(run_dir), train.backend_context(run.config):
           train.train_and_evaluate(run.config, run_dir)
       except FloatingPointError as e:
         logging.warning("Run %s diverged: %s", run.name, e)
-        with open(os.path.join(run_dir, "error.json"), "w") as f:
-          json.dump(dict(error=str(e)), f)
+        metrics_lib.write_atomic(os.path.join(run_dir, "error.json"),
+                                 json.dumps(dict(error=str(e))))
       trained.append(run)
       elapsed = time.time() - t0
       logging.info("Sweep: %d runs trained by this process in %.0f s.",
                    len(trained), elapsed)
     finally:
-      release(run_dir)
+      run_lock.release(run_dir)
   return trained
 
 
@@ -454,10 +413,10 @@ def aggregate(sweep, workdir: str, *,
       runs=[dict(name=r.name, **{k: v for k, v in s.items()})
             for r, s in found])
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(workdir, "results.md"), "w") as f:
-    f.write(results_markdown(results))
+  metrics_lib.write_atomic(os.path.join(workdir, "results.json"),
+                           json.dumps(results, indent=1))
+  metrics_lib.write_atomic(os.path.join(workdir, "results.md"),
+                           results_markdown(results))
   if records:
     plot_sweep(results, sweep, workdir)
   return results

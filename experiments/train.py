@@ -189,8 +189,6 @@ def _resume_step(workdir: str, ckpt, tr, stored) -> int:
     raise ValueError(
         f"train.num_steps ({tr.num_steps}) must be >= the step of"
         f" {workdir}'s checkpoint ({start}) to resume it.")
-  for later in sorted(s for s in ckpt.all_steps() if s > start):
-    ckpt.delete(later)  # the decay steps of the shorter schedule
   return start
 
 
@@ -370,15 +368,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         config.to_json_best_effort(indent=2, sort_keys=True))
   start = _resume_step(workdir, ckpt, tr, stored)
   if start:
-    params, opt_state = checkpoints.restore(ckpt, start, params, opt_state)
+    start, params, opt_state = checkpoints.restore_latest(
+        ckpt, start, params, opt_state)
     logging.info("Resumed from the checkpoint at step %d in %s.", start,
                  workdir)
+  # Later ones: a wsd run's decay steps before an extension, or damaged.
+  checkpoints.delete(ckpt, [s for s in ckpt.all_steps() if s > start])
   log = metrics_lib.MetricsLog(workdir, start,
                                writer=jax.process_index() == 0)
 
   last = tr.num_steps if stop_at_step is None else min(stop_at_step,
                                                        tr.num_steps)
-  if start == 0:
+  if start == 0 and not log.evals():  # a restart from 0 logged it already
     loss, acc = _evaluate(prog, params, eval_set)
     log.write(dict(step=0, split="eval", loss=loss, accuracy=acc))
 

@@ -114,25 +114,6 @@ def test_sweep_config_errors():
     sweep_lib.expand(bad)
 
 
-def test_claims_skip_live_processes_and_take_over_dead_ones(tmp_path):
-  run_dir = str(tmp_path / "cell" / "run")
-  assert sweep_lib.claim(run_dir)
-  assert sweep_lib.claim(run_dir)  # this process holds it already
-  sweep_lib.release(run_dir)
-  with open(run_dir + ".lock", "w") as f:  # a live process (our parent)
-    f.write(str(os.getppid()))
-  assert not sweep_lib.claim(run_dir)
-  dead = subprocess.Popen([sys.executable, "-c", "pass"])
-  dead.wait()
-  with open(run_dir + ".lock", "w") as f:
-    f.write(str(dead.pid))
-  assert sweep_lib.claim(run_dir)
-  with open(run_dir + ".lock") as f:
-    assert int(f.read()) == os.getpid()
-  sweep_lib.release(run_dir)
-  assert not os.path.exists(run_dir + ".lock")
-
-
 def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   sweep = kimi_synthetic.get_config("smoke")
   workdir = str(tmp_path)

@@ -1,0 +1,130 @@
+"""Faults: a run killed at any instant, or with a damaged checkpoint, resumes
+to the uninterrupted run's metrics, summary and parameters."""
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import common as config_lib
+from configs import mqar
+from experiments import checkpoints
+from experiments import metrics as metrics_lib
+from experiments import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+# The smoke model with a step of a few ms, so a kill lands anywhere: in a
+# step, a metrics append, a checkpoint write, the summary.
+OVERRIDES = {"model.mixer": "kda", "train.num_steps": 40,
+             "train.checkpoint_every": 3, "train.eval_every": 4,
+             "train.stop_at_accuracy": 1.0}
+DETERMINISTIC = ("task", "mixer", "seed", "steps", "final_eval_accuracy",
+                 "best_eval_accuracy", "status", "num_params")
+
+
+def _config():
+  return config_lib.apply_diff(mqar.get_config("smoke"), OVERRIDES)
+
+
+def _command(workdir):
+  flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+  return [sys.executable, os.path.join(REPO, "run_experiment.py"),
+          "--config=configs/mqar.py:smoke", f"--workdir={workdir}", *flags]
+
+
+def _params(workdir):
+  config = _config()
+  prog = train.build_program(config)
+  params = prog.init(jax.random.key(0), np.zeros((1, 8), np.int32))
+  ckpt = checkpoints.manager(workdir)
+  step = ckpt.latest_step()
+  params, _ = checkpoints.restore(ckpt, step, params, prog.init_opt(params))
+  ckpt.close()
+  return step, params
+
+
+def _scores(workdir):
+  records = metrics_lib.read_records(os.path.join(workdir, "metrics.jsonl"))
+  return [(r["step"], r["split"], r["loss"], r["accuracy"]) for r in records]
+
+
+def _kill_while_checkpointing(proc, workdir, timeout=60.0):
+  """SIGKILL as soon as orbax has a checkpoint half written."""
+  end = time.time() + timeout
+  while time.time() < end and proc.poll() is None:
+    if glob.glob(os.path.join(workdir, "checkpoints", "*.orbax-checkpoint-tmp*")):
+      proc.send_signal(signal.SIGKILL)
+      return
+    time.sleep(0.001)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_resumes_to_the_uninterrupted_run(
+    tmp_path):
+  straight = str(tmp_path / "straight")
+  reference = train.train_and_evaluate(_config(), straight)
+  workdir = str(tmp_path / "killed")
+  rng = random.Random(0)
+  kills = 0
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  for attempt in range(12):
+    log = open(tmp_path / f"attempt{attempt}.log", "w")
+    proc = subprocess.Popen(_command(workdir), cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    if attempt < 6:
+      if attempt % 2:
+        _kill_while_checkpointing(proc, workdir)
+      else:
+        time.sleep(rng.uniform(4.0, 12.0))  # start-up takes a few seconds
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=300)
+    log.close()
+    kills += proc.returncode == -signal.SIGKILL
+    if proc.returncode == 0:
+      break
+  assert proc.returncode == 0, (tmp_path / f"attempt{attempt}.log"
+                                ).read_text()[-3000:]
+  assert kills >= 3, "too few of the kills landed before the run finished"
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  assert {k: summary[k] for k in DETERMINISTIC} == {
+      k: reference[k] for k in DETERMINISTIC}
+  steps = [(r[0], r[1]) for r in _scores(workdir)]
+  assert len(steps) == len(set(steps)), "a step logged twice"
+  assert _scores(workdir) == _scores(straight)
+  (step_a, params_a), (step_b, params_b) = _params(straight), _params(workdir)
+  assert step_a == step_b == OVERRIDES["train.num_steps"]
+  jax.tree.map(np.testing.assert_array_equal, params_a, params_b)
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
+  config = config_lib.apply_diff(_config(), {"train.num_steps": 12})
+  straight = str(tmp_path / "straight")
+  train.train_and_evaluate(config, straight)
+  workdir = str(tmp_path / "damaged")
+  train.train_and_evaluate(config, workdir, stop_at_step=10)  # ckpts 6, 9
+  data = glob.glob(os.path.join(workdir, "checkpoints", "9", "**", "d", "*"),
+                   recursive=True)
+  biggest = max(data, key=os.path.getsize)
+  os.truncate(biggest, os.path.getsize(biggest) // 2)
+  summary = train.train_and_evaluate(config, workdir)
+  assert summary["steps_trained_this_run"] == 12 - 6  # from step 6, not 0
+  assert _scores(workdir) == _scores(straight)
+  # With every checkpoint damaged: an error naming the directory.
+  train.train_and_evaluate(config, str(tmp_path / "both"), stop_at_step=10)
+  for step in ("6", "9"):
+    for path in glob.glob(os.path.join(tmp_path, "both", "checkpoints", step,
+                                       "**", "_METADATA"), recursive=True):
+      os.remove(path)
+  with pytest.raises(ValueError, match=r"both/checkpoints: no checkpoint at"
+                     r" or before step 9 can be read"):
+    train.train_and_evaluate(config, str(tmp_path / "both"))
