@@ -14,8 +14,9 @@ Every experiment config has the same sections:
 * `mesh`: `data` x `context` devices; the batch is split over `data` and the
   sequence over `context` (KDA's exact state passing); 1 x 1 is one device.
 
-`CONFIG_DIFFS` names the ablations: each is a one-line diff applied to a
-config with `apply_diff` (alphafold's CONFIG_DIFFS pattern).
+An ablation is a one-line diff applied to a config with `apply_diff`
+(alphafold's CONFIG_DIFFS pattern): `{"model.mixer": "kda_zeroed"}`, with
+the mixer names of `experiments.model.MIXERS`.
 """
 
 import copy
@@ -24,13 +25,6 @@ from typing import Any, Mapping
 import ml_collections
 from ml_collections import config_dict
 
-# The mixers `experiments.model` builds (a test keeps the two lists equal).
-MIXERS = ("kda", "kda_zeroed", "gdn", "attention", "none")
-
-# One named diff per mixer: the ablation axis.
-CONFIG_DIFFS: dict[str, dict[str, Any]] = {
-    mixer: {"model.mixer": mixer} for mixer in MIXERS
-}
 
 
 def kda_config() -> ml_collections.ConfigDict:
@@ -47,7 +41,7 @@ def model_config(*, mixer="kda", num_layers=2, d_model=128, mlp_hidden=256,
   kda.head_dim = head_dim
   kda.conv_size = conv_size
   return ml_collections.ConfigDict(dict(
-      mixer=mixer,  # one of MIXERS
+      mixer=mixer,  # one of experiments.model.MIXERS
       num_layers=num_layers,
       d_model=d_model,
       mlp_hidden=mlp_hidden,

@@ -3,8 +3,8 @@ r"""Runs one task for every mixer (and seeds, learning rates); writes a table.
   python -m experiments.ablate --config=configs/mqar.py \
       --mixers=kda,kda_zeroed --seeds=0 --workdir=workdirs/mqar_ablation
 
-Each run is the base config plus one named diff from
-`configs.common.CONFIG_DIFFS` (`{"model.mixer": name}`), with
+Each run is the base config plus the one-line diff `{"model.mixer": name}`
+(a name of `experiments.model.MIXERS`), with
 `seed` and `train.learning_rate` set when --seeds / --learning_rates are
 given. Runs go to `<workdir>/<mixer>_seed<s>_lr<lr>/` (each resumable, as
 with run_experiment.py). The workdir gets `results.md` (one row per run:
@@ -24,6 +24,7 @@ from ml_collections import config_flags
 
 from configs import common as config_lib
 from experiments import metrics as metrics_lib
+from experiments import model as model_lib
 from experiments import plotting
 from experiments import train
 
@@ -33,7 +34,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 _MIXERS = flags.DEFINE_list(
     "mixers", ["kda", "kda_zeroed"],
-    f"Ablations to run, names from CONFIG_DIFFS: {sorted(config_lib.CONFIG_DIFFS)}.")
+    f"Mixers to run, from {list(model_lib.MIXERS)}.")
 _SEEDS = flags.DEFINE_list("seeds", None, "Seeds (default: the config's).")
 _LEARNING_RATES = flags.DEFINE_list(
     "learning_rates", None, "Peak learning rates (default: the config's).")
@@ -69,15 +70,15 @@ def results_table(rows: list[dict]) -> str:
 def run_ablation(config, workdir: str, mixers, seeds, learning_rates):
   """Trains every (mixer, seed, lr); returns the summaries in order."""
   for m in mixers:
-    if m not in config_lib.CONFIG_DIFFS:
+    if m not in model_lib.MIXERS:
       raise ValueError(f"--mixers: {m!r} is not one of"
-                       f" {sorted(config_lib.CONFIG_DIFFS)}.")
+                       f" {list(model_lib.MIXERS)}.")
   os.makedirs(workdir, exist_ok=True)
   summaries, curves = [], {}
   for mixer in mixers:
     for seed in seeds:
       for lr in learning_rates:
-        diff = {**config_lib.CONFIG_DIFFS[mixer], "seed": seed,
+        diff = {"model.mixer": mixer, "seed": seed,
                 "train.learning_rate": lr}
         cfg = config_lib.apply_diff(config, diff)
         name = run_name(mixer, seed, lr)

@@ -36,7 +36,9 @@ import numpy as np
 from linear_attention.modules import kda as kda_module
 from linear_attention.modules import short_conv
 
-MIXERS = ("kda", "kda_zeroed", "gdn", "attention", "none")
+# The mixers built on the KDA layer, and every mixer: the one list of names.
+KDA_MIXERS = ("kda", "kda_zeroed", "gdn")
+MIXERS = KDA_MIXERS + ("attention", "none")
 COMPUTE_DTYPES = ("float32", "bfloat16")  # config.model.compute_dtype
 
 
@@ -178,7 +180,7 @@ def validate_model_config(model, vocab_size: int) -> None:
   if att.head_dim % 2:
     raise ValueError(f"model.attention.head_dim must be even (RoPE); got"
                      f" {att.head_dim}.")
-  if model.mixer in ("kda", "kda_zeroed", "gdn"):
+  if model.mixer in KDA_MIXERS:
     kda_module.validate_kda_layer_args(**model.kda)
   del vocab_size
 

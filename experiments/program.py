@@ -39,7 +39,6 @@ from linear_attention.ops import backends
 from linear_attention.ops.kda import mosaic
 from linear_attention.parallel import train as parallel_train
 
-KDA_MIXERS = ("kda", "kda_zeroed", "gdn")
 
 
 def _check(name: str, ok: bool, want: str, value: Any) -> None:
@@ -188,7 +187,7 @@ def make_mesh(config) -> jax.sharding.Mesh | None:
 
 
 def uses_kda(config) -> bool:
-  return config.model.mixer in KDA_MIXERS
+  return config.model.mixer in model_lib.KDA_MIXERS
 
 
 def kda_backend(config) -> str | None:

@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from experiments import recall
 from experiments import sweep_lib
+from experiments import sweep_report
 from experiments import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -100,9 +101,9 @@ def main(argv):
     sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value,
                         code_version=_code_version(),
                         extend_to=_EXTEND_TO.value)
-  results = sweep_lib.aggregate(
+  results = sweep_report.aggregate(
       sweep, workdir, metadata=dict(aggregated_at=_code_version()))
-  print(sweep_lib.results_markdown(results))  # the CLI's one output
+  print(sweep_report.results_markdown(results))  # the CLI's one output
 
 
 if __name__ == "__main__":

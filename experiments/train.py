@@ -60,7 +60,7 @@ from experiments import program as program_lib
 from experiments import tasks as tasks_lib
 
 # The names the CLIs and tests use, from the modules that define them.
-KDA_MIXERS = program_lib.KDA_MIXERS
+KDA_MIXERS = model_lib.KDA_MIXERS
 backend_context = program_lib.backend_context
 build_program = program_lib.build_program
 quiet_orbax_logs = checkpoints.quiet_orbax_logs

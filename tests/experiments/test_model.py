@@ -64,6 +64,3 @@ def test_bad_model_config_names_the_field():
   with pytest.raises(ValueError, match="model.kda.decayy"):
     config_lib.apply_diff(config, {"model.kda.decayy": "head"})
 
-
-def test_config_mixer_names_are_the_models():
-  assert config_lib.MIXERS == model_lib.MIXERS

@@ -14,6 +14,7 @@ from configs.sweeps import kimi_synthetic_600steps
 from configs.sweeps import parity as sweep_parity
 from experiments import recall
 from experiments import sweep_lib
+from experiments import sweep_report
 from experiments import tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -75,7 +76,7 @@ def test_extend_to_continues_the_unsolved_runs(tmp_path):
     summary = json.load(f)
   assert summary["steps"] == 8 and summary["steps_trained_this_run"] == 4
   # Aggregated with the sweep's own cap, the extended run reports its own.
-  results = sweep_lib.aggregate(sweep, workdir)
+  results = sweep_report.aggregate(sweep, workdir)
   assert results["runs"][0]["num_steps"] == 8
   cosine = sweep_lib.expand(kimi_synthetic_600steps.get_config())[:1]
   with pytest.raises(ValueError, match="extend_to needs train.schedule"):
@@ -88,7 +89,7 @@ def test_compare_gives_a_verdict_per_cell():
                 best_by_seed=dict(enumerate(best)))
   cells = [cell("kda", [0.5, 0.6, 0.7]), cell("gdn", [0.4, 0.5, 0.6]),
            cell("attention", [0.6, 0.5, 0.9]), cell("none", [1.0, 0.995])]
-  out = {c["other"]: c for c in sweep_lib.compare(
+  out = {c["other"]: c for c in sweep_report.compare(
       cells, ("kda", "gdn", "attention", "none"))}
   assert out["gdn"]["verdict"] == "ahead in every seed"
   assert out["gdn"]["difference"]["mean"] == pytest.approx(0.1)
@@ -96,7 +97,7 @@ def test_compare_gives_a_verdict_per_cell():
   assert out["none"]["seeds"] == [0, 1]
   assert out["none"]["verdict"] == "behind in every seed"
   solved = [cell("kda", [0.99, 1.0]), cell("gdn", [1.0, 0.995])]
-  (both,) = sweep_lib.compare(solved, ("kda", "gdn"))
+  (both,) = sweep_report.compare(solved, ("kda", "gdn"))
   assert both["verdict"] == "both solve in every seed"
 
 
@@ -136,7 +137,7 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   with pytest.raises(ValueError, match="no run of the sweep"):
     sweep_lib.run_sweep(sweep, workdir, only="nothing")
 
-  results = sweep_lib.aggregate(sweep, workdir, metadata=dict(commit="x"))
+  results = sweep_report.aggregate(sweep, workdir, metadata=dict(commit="x"))
   assert results["num_finished"] == 2 and results["num_runs"] == 13
   (kda,) = [c for c in results["cells"] if c["mixer"] == "kda"]
   best = []
@@ -220,7 +221,7 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   edited.unlock()
   edited.cells = (dict(edited.cells[0], batch_size=2),) + edited.cells[1:]
   for call in (lambda: sweep_lib.run_sweep(edited, workdir, only=only),
-               lambda: sweep_lib.aggregate(edited, workdir)):
+               lambda: sweep_report.aggregate(edited, workdir)):
     with pytest.raises(ValueError, match=r"stack_T32/kda_seed0_lr0.003 \("
                        r"train.batch_size: 4 -> 2"):
       call()
@@ -244,7 +245,7 @@ def test_parity_sweep_runs_variants_and_tabulates_lengths(tmp_path):
   workdir = str(tmp_path)
   # Trains the variant only: the plain kda run is the smoke sweep's business.
   sweep_lib.run_sweep(sweep, workdir, only="kda_negeig")
-  results = sweep_lib.aggregate(sweep, workdir)
+  results = sweep_report.aggregate(sweep, workdir)
   assert [c["mixer"] for c in results["cells"]] == ["kda_negeig"]
   for cell in results["cells"]:
     with open(os.path.join(workdir, f"parity_T16/{cell['mixer']}_seed0_lr"
@@ -298,7 +299,7 @@ def test_aggregate_picks_the_best_learning_rate_and_counts_divergence(
   _fake_run(workdir, f"{cell}/kda_seed1_lr0.001", 0.7)
   _fake_run(workdir, f"{cell}/kda_seed0_lr0.003", 1.0, steps_to_99=25)
   _fake_run(workdir, f"{cell}/kda_seed1_lr0.003", 0.3, error="diverged")
-  results = sweep_lib.aggregate(sweep, workdir)
+  results = sweep_report.aggregate(sweep, workdir)
   (rec,) = results["cells"]
   # Mean best accuracy: 0.6 at 1e-3, 0.65 at 3e-3 (the diverged run's best).
   assert rec["learning_rate"] == 3e-3
@@ -308,7 +309,7 @@ def test_aggregate_picks_the_best_learning_rate_and_counts_divergence(
   assert rec["steps_to_99"]["mean"] == 25
   # A cell on a length curriculum says so beside its step cap.
   _fake_run(workdir, "palindrome_T32/kda_seed0_lr0.001", 0.4)
-  results = sweep_lib.aggregate(sweep, workdir)
+  results = sweep_report.aggregate(sweep, workdir)
   assert [r["length_curriculum"] for r in results["cells"]] == [[], [[2, 16]]]
   with open(os.path.join(workdir, "results.md")) as f:
     assert "| 4 (2 at T=16 first) |" in f.read()

@@ -291,6 +291,27 @@ class MosaicVsReferenceTest(parameterized.TestCase):
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=rtol)
 
+  def test_any_segment_layout_forward_and_gradients(self):
+    # Leading and inner padding, ids out of order and skipped, a segment
+    # that continues across padding (one run), a segment absent from a row.
+    args, kw = make_inputs(Case(b=2, t=70, h=1, k=16, v=8, segments=True))
+    seg = np.zeros((2, 70), np.int32)
+    seg[0] = [0] * 5 + [2] * 20 + [1] * 15 + [0] * 5 + [1] * 10 + [4] * 15
+    seg[1] = [3] * 30 + [0] * 6 + [3] * 14 + [2] * 20
+    kw["segment_ids"] = jnp.asarray(seg)
+    with mosaic.interpret_mode():
+      actual = loss_and_grads(args, kw, "mosaic")
+    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    assert_all_close(actual, expected, rtol=1e-5)
+    # A segment that comes back after another is a run more than the
+    # segments: with states, more runs than slots cannot run.
+    seg[1] = [1] * 20 + [2] * 20 + [1] * 20 + [3] * 5 + [4] * 5
+    kw["segment_ids"] = jnp.asarray(seg)
+    with mosaic.interpret_mode(), self.assertRaisesRegex(
+        NotImplementedError, "a row here has 5 runs"):
+      ops.kimi_delta_attention(**args, output_final_state=True,
+                               backend="mosaic", **kw)
+
   def test_limits_raise_not_implemented(self):
     args, kw = make_inputs(Case(b=1, t=63, h=1, k=16, v=16))
     with self.assertRaisesRegex(NotImplementedError, "interpret"):

@@ -17,23 +17,40 @@ turns the kernel's limits into `NotImplementedError`s that name them:
   exp(G_i - G_j) around the middle of 16-token sub-chunks, so per-token log
   decays far below -5 can overflow inside it.
 
+Packed segments: the kernel reads a row as segments 1, 2, .. in order, one
+run each, padding only at the end. Every other layout the op accepts is
+brought to that form per row (`_canonical_layout`): padding (a no-op) moves
+to the end by a stable permutation, each run (a maximal stretch of one id
+once padding is gone) gets the next id and its segment's initial state, a
+segment's final state is its last run's, and the outputs go back to the
+input order. Without states any layout runs; with states the kernel holds
+one per run in max_num_segments slots, so a segment id that comes back
+after another segment (more runs than slots) raises NotImplementedError
+(NaN rows when segment_ids are traced and cannot be checked).
+
 With packed segments, tokamax 0.0.17's backward returns NaN gradients at
-padding positions (segment id 0) and for the initial states of segments that
+padding positions (segment id 0), for the initial states of segments that
 have no token in a row (measured: H=1, T=100, K=V=32, two segments, trailing
-padding). Its forward is right there, so this adapter keeps the op's contract
-around it: padding tokens are no-ops, so their gradients are zero; a segment
-absent from a row has its initial state as final state, so that gradient is
-passed straight through. Both are selects, which drop the NaN cotangents.
+padding), and for a_log and dt_bias of its fused gate. Its forward is right
+there, so this adapter keeps the op's contract around it: padding tokens are
+no-ops, so their gradients are zero; a segment absent from a row has its
+initial state as final state, so that gradient is passed straight through;
+with segments the gate is activated here, before the kernel. The first two
+are selects, which drop the NaN cotangents.
 """
 
 import contextlib
+import functools
 import os
 import threading
+from typing import NamedTuple
 from unittest import mock
 
 import jax
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
+
+from linear_attention.ops.kda import gates
 
 MAX_KEY_DIM = 256
 CHUNK = 64
@@ -252,6 +269,51 @@ def _call_tokamax(q, k, v, g, beta, *, a_log, dt_bias, segment_ids,
   return jnp.moveaxis(o, 0, 2).astype(q.dtype), state
 
 
+class _Layout(NamedTuple):
+  """A packed layout brought to the kernel's canonical form, per row."""
+
+  order: jax.Array  # [B, T]: token order with padding last (stable)
+  inverse: jax.Array  # [B, T]: undoes `order`
+  runs: jax.Array  # [B, T]: run ids 1, 2, .. in order, 0 = padding
+  run_segment: jax.Array  # [B, T + 1]: the segment id of each run id
+  last_run: jax.Array  # [B, N + 1]: each segment's last run (0: absent)
+
+
+def _canonical_layout(segment_ids, num_segments: int) -> _Layout:
+  """tokamax's kernel reads a row as segments 1, 2, .. one run each, then
+  padding. Any layout the op accepts maps onto that: padding is a no-op, so
+  moving it to the end (a stable permutation) changes nothing, and then each
+  run (a maximal stretch of one id) gets the next id, with its segment's
+  initial state; a segment's final state is its last run's.
+  """
+  b, t = segment_ids.shape
+  rows = jnp.arange(b)[:, None]
+  order = jnp.argsort(segment_ids <= 0, axis=1, stable=True)
+  packed = jnp.take_along_axis(segment_ids, order, axis=1)
+  previous = jnp.pad(packed[:, :-1], ((0, 0), (1, 0)))
+  runs = jnp.where(packed > 0, jnp.cumsum(
+      (packed > 0) & (packed != previous), axis=1), 0)
+  run_segment = jnp.zeros((b, t + 1), packed.dtype).at[rows, runs].set(packed)
+  last_run = jnp.zeros((b, num_segments + 1), runs.dtype).at[
+      rows, jnp.clip(packed, 0, num_segments)].max(runs)
+  return _Layout(order=order, inverse=jnp.argsort(order, axis=1), runs=runs,
+                 run_segment=run_segment.at[:, 0].set(0), last_run=last_run)
+
+
+def _check_layout_fits(layout: _Layout, slots: int) -> None:
+  """A row with more runs than state slots cannot go to the kernel."""
+  if isinstance(layout.runs, jax.core.Tracer):
+    return  # traced: such rows come out NaN (`kda_mosaic`)
+  runs = int(layout.runs.max(initial=0))
+  if runs > slots:
+    raise NotImplementedError(
+        f"backend='mosaic' with states runs each run of a segment (a stretch"
+        f" of one id) in its own state slot, max_num_segments ({slots}) of"
+        f" them; a row here has {runs} runs (a segment id that comes back"
+        " after another segment). Give every document its own id, or use"
+        " backend='chunked'.")
+
+
 def kda_mosaic(
     q, k, v, g, beta, *, scale, a_log=None, dt_bias=None, lower_bound=None,
     use_gate_in_kernel=False, use_qk_l2norm=False, initial_state=None,
@@ -261,37 +323,64 @@ def kda_mosaic(
   _check_supported(q, v, use_gate_in_kernel=use_gate_in_kernel,
                    lower_bound=lower_bound, segment_ids=segment_ids)
   dtype = q.dtype
-  q, k, v, g, beta = _detach_padding(
-      segment_ids, tuple(x.astype(dtype) for x in (q, k, v, g, beta)))
-  present = None
+  xs = tuple(x.astype(dtype) for x in (q, k, v, g, beta))
+  call = functools.partial(
+      _call_tokamax, a_log=a_log, dt_bias=dt_bias, scale=scale,
+      use_qk_l2norm=use_qk_l2norm, use_gate_in_kernel=use_gate_in_kernel,
+      lower_bound=lower_bound, output_final_state=output_final_state)
   if initial_state is not None:
     initial_state = initial_state.astype(jnp.float32)
-    if segment_ids is None:
-      initial_state = initial_state[:, None]  # [B, 1, H, K, V]
-    else:
-      ids = jnp.arange(1, initial_state.shape[1] + 1)
-      present = jnp.any(segment_ids[:, None, :] == ids[None, :, None],
-                        axis=-1)[:, :, None, None, None]  # [B, N, 1, 1, 1]
-      given_state = initial_state
-      initial_state = jnp.where(present, initial_state,
-                                jax.lax.stop_gradient(initial_state))
-  o, final_state = _call_tokamax(
-      q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids,
-      scale=scale, initial_state=initial_state,
-      output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-      use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-      # tokamax sizes its segment tables by max_num_segments even without
-      # states; T bounds the number of runs in a row.
-      max_num_segments=(max_num_segments if max_num_segments is not None
-                        or segment_ids is None else q.shape[1]))
+  if segment_ids is None:
+    o, final_state = call(
+        *xs, segment_ids=None, max_num_segments=None,
+        initial_state=None if initial_state is None else initial_state[:, None])
+    return o, (final_state[:, 0].astype(jnp.float32) if output_final_state
+               else None)
+  if use_gate_in_kernel:
+    # tokamax 0.0.17's fused gate returns NaN da_log and ddt_bias with
+    # padding in a row; activated here, the padding's share is detached.
+    xs = xs[:3] + (gates.kda_log_decay(
+        g, a_log, dt_bias, lower_bound, dtype=jnp.float32).astype(dtype),
+                   xs[4])
+    call = functools.partial(call, a_log=None, dt_bias=None,
+                             use_gate_in_kernel=False, lower_bound=None)
+  with_states = initial_state is not None or output_final_state
+  # Without states a row's runs need no slots: T bounds their number.
+  slots = max_num_segments if with_states else q.shape[1]
+  layout = _canonical_layout(segment_ids, max_num_segments or 1)
+  if with_states:
+    _check_layout_fits(layout, slots)
+  packed = lambda x: jnp.take_along_axis(
+      x, layout.order.reshape(layout.order.shape + (1,) * (x.ndim - 2)),
+      axis=1)
+  xs = _detach_padding(layout.runs, tuple(map(packed, xs)))
+  run_init = None
+  if initial_state is not None:
+    seg = layout.run_segment[:, 1:slots + 1]  # [B, slots]
+    # A slot without a run starts from zeros: tokamax's NaN cotangents for
+    # states of absent segments stop at this select.
+    run_init = jnp.where(
+        (seg > 0)[..., None, None, None],
+        jnp.take_along_axis(initial_state, jnp.maximum(seg - 1, 0)[
+            ..., None, None, None], axis=1), 0.0)
+  o, run_final = call(*xs, segment_ids=layout.runs, max_num_segments=slots,
+                      initial_state=run_init)
+  o = jnp.take_along_axis(
+      o, layout.inverse[..., None, None], axis=1)  # back to the input order
+  too_many = jnp.max(layout.runs, axis=1) > slots  # only when traced
+  o = jnp.where(too_many[:, None, None, None], jnp.nan, o)
   if not output_final_state:
     return o, None
-  final_state = final_state.astype(jnp.float32)
-  if segment_ids is None:
-    final_state = final_state[:, 0]
-  elif present is not None:
-    final_state = jnp.where(present, final_state, given_state)
-  return o, final_state
+  last = layout.last_run[:, 1:]  # [B, N]
+  final_state = jnp.take_along_axis(
+      run_final.astype(jnp.float32),
+      jnp.maximum(last - 1, 0)[..., None, None, None], axis=1)
+  start = (jnp.zeros_like(final_state) if initial_state is None
+           else initial_state)
+  final_state = jnp.where((last > 0)[..., None, None, None], final_state,
+                          start)
+  return o, jnp.where(too_many[:, None, None, None, None], jnp.nan,
+                      final_state)
 
 
 def kda_mosaic_context_parallel(

@@ -1,0 +1,405 @@
+"""The results of a sweep: tables, per-seed comparisons and figures.
+
+`aggregate(sweep, workdir)` writes `results.json` (every run summary and one
+record per cell), `results.md` (one row per (task, length, mixer): mean, min
+and max over seeds of the best held-out accuracy and of the steps to 99%,
+the runs' statuses (`metrics.run_status`: solved, plateaued or rising at
+cap); per cell, the first mixer's per-seed difference from each other one
+with a verdict (`compare`); one row per run;
+with `train.eval_lengths`, a second table of the final parameters' accuracy
+at each evaluation length, and `length_generalisation.png`) and two
+figures: `accuracy_vs_length.png` (per task, mean with a min-max
+band over seeds) and `curves_T<len>.png` (held-out accuracy against step at
+one length, mean and band). With several learning rates a cell reports the
+rate whose mean best accuracy over seeds is highest (the protocol of
+Kimi Linear §5.1, best of a learning-rate grid), with every rate's runs kept
+in results.json.
+
+Runs are read from their directories (experiments/sweep_lib.py lays them
+out); a run's status and training time come from its metrics.
+"""
+
+import json
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from experiments import metrics as metrics_lib
+from experiments import plotting
+from experiments import sweep_lib
+from experiments import train
+
+
+def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
+  """The run's summary plus its eval curve, or None when not finished.
+
+  Its status (`metrics.run_status`, or "diverged"), training seconds over
+  every resume and step cap (config.json's, else `cap`) come from its
+  metrics and config, so runs written before the summary had them read the
+  same way.
+  """
+  records = []
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if os.path.exists(path):
+    records = metrics_lib.read_records(path)
+  evals = [r for r in records if r["split"] == "eval"]
+  summary_path = os.path.join(run_dir, "summary.json")
+  error_path = os.path.join(run_dir, "error.json")
+  if os.path.exists(summary_path):
+    with open(summary_path) as f:
+      summary = json.load(f)
+  elif os.path.exists(error_path):
+    with open(error_path) as f:
+      summary = dict(error=json.load(f)["error"],
+                     best_eval_accuracy=max(
+                         (r["accuracy"] for r in evals), default=None),
+                     steps_to_99=None, wall_seconds=None)
+  else:
+    return None
+  summary["status"] = ("diverged" if "error" in summary
+                       else metrics_lib.run_status(records))
+  summary["train_seconds"] = metrics_lib.train_seconds(records)
+  stored = train.stored_config(run_dir)
+  summary["num_steps"] = cap if stored is None else stored["train"][
+      "num_steps"]
+  summary["commits"] = sweep_lib.read_commits(run_dir)
+  summary["eval_steps"] = [r["step"] for r in evals]
+  summary["eval_accuracy"] = [r["accuracy"] for r in evals]
+  return summary
+
+
+def _stats(values: Sequence[float]) -> dict[str, float] | None:
+  if not values:
+    return None
+  return dict(mean=float(np.mean(values)), min=float(np.min(values)),
+              max=float(np.max(values)))
+
+
+def aggregate(sweep, workdir: str, *,
+              metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Writes results.json, results.md and the figures; returns the results.
+
+  Covers the finished runs only; a cell lists how many seeds it has, so a
+  partial sweep's tables say what is missing.
+  """
+  runs = sweep_lib.expand(sweep)
+  sweep_lib.check_workdir(runs, workdir)
+  found = []
+  for run in runs:
+    summary = _read_run(os.path.join(workdir, run.name),
+                        run.config.train.num_steps)
+    if summary is not None:
+      found.append((run, summary))
+  cells: dict[tuple, dict[float, list]] = {}
+  for run, summary in found:
+    key = (run.task, run.seq_len, run.mixer)
+    cells.setdefault(key, {}).setdefault(run.learning_rate, []).append(
+        (run, summary))
+  records = []
+  for (task, seq_len, mixer), by_lr in cells.items():
+    def mean_best(items):
+      return np.mean([s["best_eval_accuracy"] or 0.0 for _, s in items])
+    lr = max(by_lr, key=lambda x: (mean_best(by_lr[x]), -x))
+    items = sorted(by_lr[lr], key=lambda rs: rs[0].seed)
+    best = [s["best_eval_accuracy"] for _, s in items
+            if s["best_eval_accuracy"] is not None]
+    reached = [s["steps_to_99"] for _, s in items
+               if s["steps_to_99"] is not None]
+    records.append(dict(
+        task=task, seq_len=seq_len, mixer=mixer, learning_rate=lr,
+        seeds=[r.seed for r, _ in items], best_accuracy=_stats(best),
+        steps_to_99=_stats(reached), num_reached_99=len(reached),
+        num_diverged=sum("error" in s for _, s in items),
+        chance_accuracy=next((s.get("chance_accuracy") for _, s in items
+                              if s.get("chance_accuracy") is not None), None),
+        best_by_seed={r.seed: s["best_eval_accuracy"] for r, s in items},
+        statuses={st: n for st in metrics_lib.STATUSES + ("diverged",)
+                  if (n := sum(s["status"] == st for _, s in items))},
+        num_steps=max(s["num_steps"] for _, s in items),
+        length_curriculum=[list(stage) for stage in items[0][0].config.train
+                           .get("length_curriculum", ())],
+        train_seconds=float(sum(s["train_seconds"] for _, s in items)),
+        length_accuracy=_length_stats(s for _, s in items),
+    ))
+  order = {m: i for i, m in enumerate(
+      list(sweep.mixers) + [sweep.get("ablation", {}).get("mixer")])}
+  records.sort(key=lambda r: (r["task"], r["seq_len"], order.get(r["mixer"],
+                                                                 99)))
+  results = dict(
+      sweep=sweep.get("name", "sweep"),
+      metadata=metadata or {},
+      num_runs=len(runs), num_finished=len(found),
+      train_seconds=float(sum(s["train_seconds"] for _, s in found)),
+      cells=records,
+      comparisons=compare(records, sweep.mixers),
+      runs=[dict(name=r.name, **{k: v for k, v in s.items()})
+            for r, s in found])
+  os.makedirs(workdir, exist_ok=True)
+  metrics_lib.write_atomic(os.path.join(workdir, "results.json"),
+                           json.dumps(results, indent=1))
+  metrics_lib.write_atomic(os.path.join(workdir, "results.md"),
+                           results_markdown(results))
+  if records:
+    plot_sweep(results, sweep, workdir)
+  return results
+
+
+def compare(cells: Sequence[dict[str, Any]],
+            mixers: Sequence[str]) -> list[dict[str, Any]]:
+  """Per (task, length): the first mixer against each other one, by seed.
+
+  The per-seed difference of best held-out accuracy (the seeds both have),
+  its mean, min and max, and a verdict: "ahead in every seed", "behind in
+  every seed", "both solve in every seed" (then steps to 99% tell them
+  apart), or "mixed".
+  """
+  by_key = {(c["task"], c["seq_len"], c["mixer"]): c for c in cells}
+  out = []
+  for (task, seq_len, mixer), first in by_key.items():
+    if mixer != mixers[0]:
+      continue
+    for other in mixers[1:]:
+      second = by_key.get((task, seq_len, other))
+      if second is None:
+        continue
+      seeds = sorted(set(first["best_by_seed"]) & set(second["best_by_seed"]))
+      a = [first["best_by_seed"][s] or 0.0 for s in seeds]
+      b = [second["best_by_seed"][s] or 0.0 for s in seeds]
+      diff = [x - y for x, y in zip(a, b)]
+      if not diff:
+        continue
+      if min(a + b) >= metrics_lib.TARGET_ACCURACY:
+        verdict = "both solve in every seed"
+      elif min(diff) > 0:
+        verdict = "ahead in every seed"
+      elif max(diff) < 0:
+        verdict = "behind in every seed"
+      else:
+        verdict = "mixed"
+      out.append(dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
+                      seeds=seeds, difference=_stats(diff), verdict=verdict))
+  return sorted(out, key=lambda c: (c["task"], c["seq_len"], c["other"]))
+
+
+def _length_stats(summaries) -> dict[str, dict[str, float]] | None:
+  """{length: stats over seeds} of summary.json's `length_accuracy`."""
+  by_len: dict[str, list[float]] = {}
+  for s in summaries:
+    for n, acc in (s.get("length_accuracy") or {}).items():
+      by_len.setdefault(n, []).append(acc)
+  if not by_len:
+    return None
+  return {n: dict(_stats(v), count=len(v))
+          for n, v in sorted(by_len.items(), key=lambda kv: int(kv[0]))}
+
+
+def _pct(stats, key) -> str:
+  return "-" if stats is None else f"{100 * stats[key]:.1f}"
+
+
+def _stages(curriculum) -> str:
+  """' (300 at T=256 first)' for a length curriculum; '' for none."""
+  if not curriculum:
+    return ""
+  return " (" + ", ".join(f"{steps} at T={n}" for steps, n in curriculum) + (
+      " first)")
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+  """One row per (task, length, mixer): seeds' mean [min, max]."""
+  meta = results["metadata"]
+  lines = [f"# {results['sweep']}: best held-out accuracy over seeds", ""]
+  if meta:
+    lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+  trained_at: dict[str, int] = {}
+  for run in results.get("runs", ()):
+    for commit in run.get("commits") or ["(not recorded)"]:
+      trained_at[commit] = trained_at.get(commit, 0) + 1
+  if trained_at:
+    lines += ["Runs trained at: " + ", ".join(
+        f"{c} ({n} run{'s' if n > 1 else ''})"
+        for c, n in trained_at.items()) + ".", ""]
+  lines += [
+      f"{results['num_finished']} of {results['num_runs']} runs finished;"
+      f" {results['train_seconds'] / 3600:.2f} hours of training, summed"
+      " over runs from their metrics (every resumed part included).", "",
+      "Status of a run, from its metrics: solved (>= 99%), plateaued (held-out"
+      " accuracy rising < 0.5 points per 100 steps over the last 300 steps at"
+      " >= half the peak rate), rising at cap (anything else).", "",
+      "| task | T | mixer | lr | seeds | best acc % mean [min, max] |"
+      " reached 99% | steps to 99% mean [min, max] | step cap | status |"
+      " chance % |",
+      "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in results["cells"]:
+    acc = r["best_accuracy"]
+    steps = r["steps_to_99"]
+    acc_s = ("-" if acc is None else
+             f"{_pct(acc, 'mean')} [{_pct(acc, 'min')}, {_pct(acc, 'max')}]")
+    steps_s = ("-" if steps is None else
+               f"{steps['mean']:.0f} [{steps['min']:.0f}, {steps['max']:.0f}]")
+    chance = r["chance_accuracy"]
+    lines.append(
+        f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
+        f" {r['learning_rate']:g} | {len(r['seeds'])} | {acc_s} |"
+        f" {r['num_reached_99']}/{len(r['seeds'])} | {steps_s} |"
+        f" {r['num_steps']}{_stages(r.get('length_curriculum'))} |"
+        f" {_statuses(r.get('statuses'))} |"
+        f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
+  lines += _comparison_lines(results.get("comparisons", ()))
+  with_lengths = [r for r in results["cells"] if r.get("length_accuracy")]
+  if with_lengths:
+    lengths = sorted({int(n) for r in with_lengths
+                      for n in r["length_accuracy"]})
+    lines += [
+        "", "## Length generalisation: final parameters' held-out accuracy %"
+        " at each length, mean [min, max] over seeds", "",
+        "| task | T trained | mixer | seeds | "
+        + " | ".join(f"T={n}" for n in lengths) + " |",
+        "|---|---|---|---|" + "---|" * len(lengths)]
+    for r in with_lengths:
+      acc = r["length_accuracy"]
+      cols = [("-" if str(n) not in acc else
+               f"{_pct(acc[str(n)], 'mean')} [{_pct(acc[str(n)], 'min')},"
+               f" {_pct(acc[str(n)], 'max')}]") for n in lengths]
+      lines.append(f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
+                   f" {len(r['seeds'])} | " + " | ".join(cols) + " |")
+  lines += _run_lines(results.get("runs", ()))
+  return "\n".join(lines) + "\n"
+
+
+def _statuses(statuses) -> str:
+  """'2 solved, 1 rising at cap' (or '-' for runs that predate it)."""
+  return ", ".join(f"{n} {st}" for st, n in (statuses or {}).items()) or "-"
+
+
+def _comparison_lines(comparisons) -> list[str]:
+  if not comparisons:
+    return []
+  lines = ["", "## Per-seed differences of best held-out accuracy", "",
+           "| task | T | pair | seeds | difference, points: mean [min, max] |"
+           " verdict |", "|---|---|---|---|---|---|"]
+  for c in comparisons:
+    d = c["difference"]
+    lines.append(
+        f"| {c['task']} | {c['seq_len']} | {c['mixer']} - {c['other']} |"
+        f" {len(c['seeds'])} | {100 * d['mean']:+.1f} [{100 * d['min']:+.1f},"
+        f" {100 * d['max']:+.1f}] | {c['verdict']} |")
+  return lines
+
+
+def _run_lines(runs) -> list[str]:
+  if not runs:
+    return []
+  lines = ["", "## Runs", "", "| run | steps | step cap | best acc % |"
+           " status | training minutes |", "|---|---|---|---|---|---|"]
+  for r in runs:
+    best = r.get("best_eval_accuracy")
+    lines.append(
+        f"| {r['name']} | {r.get('steps', '-')} | {r['num_steps']} |"
+        f" {'-' if best is None else f'{100 * best:.1f}'} | {r['status']} |"
+        f" {r['train_seconds'] / 60:.1f} |")
+  return lines
+
+
+def _curve_on_grid(steps, accs, grid):
+  """A run's eval curve on `grid`; after an early stop it holds its last value.
+
+  A run stops once it reaches the target accuracy, so holding its last
+  value is what it would have kept (within evaluation noise).
+  """
+  if not steps:
+    return np.full(len(grid), np.nan)
+  out = np.interp(grid, steps, accs)
+  out[np.asarray(grid) > steps[-1]] = accs[-1]
+  return out
+
+
+def plot_length_generalisation(results: dict[str, Any], mixers,
+                               path: str) -> bool:
+  """Accuracy vs evaluation length, one panel per trained cell; False if
+  no run has `length_accuracy`."""
+  cells = [c for c in results["cells"] if c.get("length_accuracy")]
+  if not cells:
+    return False
+  series, chance = {}, {}
+  for c in cells:
+    panel = f"{c['task']} trained at T={c['seq_len']}"
+    acc = c["length_accuracy"]
+    xs = [int(n) for n in acc]
+    series[(panel, c["mixer"])] = (
+        xs, [acc[n]["mean"] for n in acc], [acc[n]["min"] for n in acc],
+        [acc[n]["max"] for n in acc], [acc[n]["count"] for n in acc])
+    chance[panel] = c["chance_accuracy"]
+  plotting.plot_bands_by_task(
+      series, tasks=list(dict.fromkeys(p for p, _ in series)), mixers=mixers,
+      chance=chance, log_x=True, xlabel="evaluation length T",
+      ylabel="held-out accuracy (%)",
+      title="final parameters at longer lengths (mean, band: min-max over"
+      " seeds)", path=path)
+  return True
+
+
+def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
+  """accuracy_vs_length.png, curves_T<len>.png for the curve length and,
+  with evaluation lengths, length_generalisation.png."""
+  cells = results["cells"]
+  tasks = sorted({c["task"] for c in cells})
+  mixers = [m for m in list(sweep.mixers) + [
+      sweep.get("ablation", {}).get("mixer")] if m]
+  plot_length_generalisation(
+      results, mixers, os.path.join(workdir, "length_generalisation.png"))
+  series, rising = {}, {}
+  for task in tasks:
+    for mixer in mixers:
+      rows = sorted((c for c in cells
+                     if c["task"] == task and c["mixer"] == mixer
+                     and c["best_accuracy"] is not None),
+                    key=lambda c: c["seq_len"])
+      if rows:
+        rising[(task, mixer)] = [
+            metrics_lib.RISING in (c.get("statuses") or {}) for c in rows]
+        series[(task, mixer)] = (
+            [c["seq_len"] for c in rows],
+            [c["best_accuracy"]["mean"] for c in rows],
+            [c["best_accuracy"]["min"] for c in rows],
+            [c["best_accuracy"]["max"] for c in rows],
+            [len(c["seeds"]) for c in rows])
+  chance = {c["task"]: c["chance_accuracy"] for c in cells}
+  plotting.plot_bands_by_task(
+      series, tasks=tasks, mixers=mixers, chance=chance, log_x=True,
+      xlabel="sequence length T", ylabel="best held-out accuracy (%)",
+      title="best held-out accuracy vs length (mean, band: min-max over"
+      " seeds)", path=os.path.join(workdir, "accuracy_vs_length.png"),
+      rising=rising)
+  curve_len = sweep.get("curve_seq_len")
+  if not curve_len:
+    return
+  runs_by_key = {}
+  for run in results["runs"]:
+    task_len, rest = run["name"].split("/")
+    runs_by_key.setdefault((task_len, rest.rsplit("_seed", 1)[0],
+                            rest.rsplit("_lr", 1)[1]), []).append(run)
+  curves = {}
+  for c in cells:
+    if c["seq_len"] != curve_len:
+      continue
+    key = (sweep_lib.cell_name(c["task"], c["seq_len"]), c["mixer"],
+           f"{c['learning_rate']:g}")
+    runs = runs_by_key.get(key, [])
+    if not runs:
+      continue
+    last = max(r["eval_steps"][-1] for r in runs if r["eval_steps"])
+    grid = np.unique(np.concatenate(
+        [r["eval_steps"] for r in runs] + [[last]]))
+    ys = np.stack([_curve_on_grid(r["eval_steps"], r["eval_accuracy"], grid)
+                   for r in runs])
+    curves[(c["task"], c["mixer"])] = (
+        list(grid), list(np.nanmean(ys, 0)), list(np.nanmin(ys, 0)),
+        list(np.nanmax(ys, 0)), [len(runs)] * len(grid))
+  if curves:
+    plotting.plot_bands_by_task(
+        curves, tasks=tasks, mixers=mixers, chance=chance, log_x=False,
+        xlabel="training step", ylabel="held-out accuracy (%)",
+        title=f"held-out accuracy at T={curve_len} (mean, band: min-max over"
+        " seeds)", path=os.path.join(workdir, f"curves_T{curve_len}.png"))
