@@ -32,14 +32,22 @@ Data is a pure function of (seed, step): the training batch of step s comes
 from `tasks.rng(seed, TRAIN_STREAM, s)`, the held-out set from the separate
 `EVAL_STREAM`. With `train.length_curriculum`, the first steps draw from the
 task at shorter (or other) lengths, the same tokens a step; the held-out set
-stays at the task's length. Rerunning with the same workdir restores the
-latest checkpoint, drops metrics logged after it and continues, so a killed
-run loses at most one checkpoint interval and ends with the same metrics as
-an uninterrupted one. A workdir resumes only with the config it was started
-with (ValueError naming the changed fields otherwise); the backend, the mesh
-and the logging and checkpoint intervals may change (`RESUMABLE_FIELDS`).
+stays at the task's length. Each batch is drawn in a thread while the step
+before runs, and the loop waits on the device only to log, evaluate or save
+(non-finite gradients are still reported at the step they happened).
+
+Rerunning with the same workdir restores the latest readable checkpoint,
+drops metrics logged after it and continues, so a killed run loses at most
+one checkpoint interval and ends with the same metrics as an uninterrupted
+one (docs/reliability.md). A workdir resumes only with the config it was
+started with (ValueError naming the changed fields otherwise); the backend,
+the mesh and the logging and checkpoint intervals may change
+(`RESUMABLE_FIELDS`), and so may `train.num_steps` under a "constant" or
+"wsd" schedule (`EXTENDABLE_SCHEDULES`): a run that did not reach its
+stop_at_accuracy then continues to the new cap as the longer run would.
 """
 
+import concurrent.futures
 import json
 import os
 import time
@@ -266,6 +274,46 @@ def check_resumable(workdir: str, config: ml_collections.ConfigDict) -> None:
         " retrain it.")
 
 
+class Prefetch:
+  """The training batches, each drawn in a thread while the step before runs.
+
+  Batches are NumPy work (a Python loop per row for Stack); drawn here,
+  they overlap the device's step instead of following it.
+  """
+
+  def __init__(self, batch_fn, start: int, stop: int):
+    self._fn, self._stop = batch_fn, stop
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._next = self._submit(start)
+
+  def _submit(self, step: int):
+    return self._pool.submit(self._fn, step) if step < self._stop else None
+
+  def get(self, step: int) -> dict[str, np.ndarray]:
+    """The batch of `step`; steps are asked for in order."""
+    batch = self._next.result()
+    self._next = self._submit(step + 1)
+    return batch
+
+  def close(self) -> None:
+    self._pool.shutdown(cancel_futures=True)
+
+
+def _check_finite(unchecked, batches: Prefetch) -> None:
+  """Raises FloatingPointError naming the first step with non-finite
+  gradients among `unchecked` ((step, flag on the device) pairs).
+
+  The loop syncs with the device only to log, evaluate or save, so a
+  divergence is caught there, at the step it happened, before its
+  parameters are evaluated or saved.
+  """
+  flags = jax.device_get([flag for _, flag in unchecked])
+  for (step, _), finite in zip(unchecked, flags):
+    if not finite:
+      batches.close()
+      raise FloatingPointError(f"Non-finite gradients at step {step}.")
+
+
 def _log_train(log, schedule, m, step, done, total, window, b, t) -> None:
   now = time.time()
   sps = window[1] / max(now - window[0], 1e-9)
@@ -385,36 +433,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   t0 = time.time()
   window = [t0, 0]  # (start time, steps) of the logging window
-  train_batch = train_batches(config, task)
+  batches = Prefetch(train_batches(config, task), start, last)
+  unchecked = []  # (step, grads_finite on the device) since the last sync
   for step in range(start, last):
-    batch = train_batch(step)
     params, opt_state, m = prog.train_step(params, opt_state,
-                                           prog.put_batch(batch))
-    m = jax.device_get(m)
-    if not m.pop("grads_finite"):
-      raise FloatingPointError(f"Non-finite gradients at step {step + 1}.")
-    chex.assert_tree_all_finite(m)
+                                           prog.put_batch(batches.get(step)))
     done = step + 1
+    unchecked.append((done, m.pop("grads_finite")))
     window[1] += 1
-    if done % tr.log_every == 0 or done == last:
+    logs = done % tr.log_every == 0 or done == last
+    evaluates = done % tr.eval_every == 0 or done == tr.num_steps
+    saves = done % tr.checkpoint_every == 0 or done in (tr.num_steps,
+                                                         decay_start)
+    if not (logs or evaluates or saves):
+      continue  # no host sync: the device runs ahead, batches come in
+    _check_finite(unchecked, batches)  # before anything reads the params
+    unchecked = []
+    if logs:
+      m = jax.device_get(m)
+      chex.assert_tree_all_finite(m)
       _log_train(log, prog.schedule, m, step, done, tr.num_steps, window, b, t)
       window = [time.time(), 0]
     solved = False
-    if done % tr.eval_every == 0 or done == tr.num_steps:
+    if evaluates:
       loss, acc = _evaluate(prog, params, eval_set)
       log.write(dict(step=done, split="eval", loss=loss, accuracy=acc))
       logging.info("step %d  held-out loss %.4f  accuracy %.4f", done, loss,
                    acc)
       solved = (tr.stop_at_accuracy is not None
                 and acc >= tr.stop_at_accuracy)
-    if (done % tr.checkpoint_every == 0 or done in (tr.num_steps, decay_start)
-        or solved):
+    if saves or solved:
       checkpoints.save(ckpt, done, params, opt_state)
     if solved:
       logging.info("Held-out accuracy %.4f >= train.stop_at_accuracy %.4f at"
                    " step %d: stopping.", acc, tr.stop_at_accuracy, done)
       last = done
       break
+  batches.close()
   ckpt.wait_until_finished()
   ckpt.close()
   summary = _summary(config, task, params, log, last=last, start=start,

@@ -307,3 +307,22 @@ def test_cli_mosaic_backend_runs_in_interpret_mode(tmp_path):
     summary = json.load(f)
   assert summary["backend"] == "mosaic" and summary["steps"] == 1
   assert summary["seq_len"] % 64 == 0
+
+
+def test_divergence_names_its_step_whatever_the_log_interval(tmp_path):
+  # A rate of 1e30 sends the parameters to ~1e30 after one step; the next
+  # forward overflows. The loop syncs with the device only every log_every
+  # steps, yet names the step the gradients went non-finite.
+  messages = set()
+  for log_every in (1, 5):
+    config = config_lib.apply_diff(_smoke("kda"), {
+        "train.learning_rate": 1e30, "train.warmup_steps": 0,
+        "train.log_every": log_every, "train.eval_every": 5,
+        "train.checkpoint_every": 5})
+    with pytest.raises(FloatingPointError,
+                       match=r"Non-finite gradients at step \d") as e:
+      train.train_and_evaluate(config, str(tmp_path / str(log_every)))
+    messages.add(str(e.value))
+    # Nothing past the divergence was saved.
+    assert not os.path.exists(tmp_path / str(log_every) / "checkpoints" / "5")
+  assert len(messages) == 1, messages

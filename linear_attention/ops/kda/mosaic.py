@@ -50,10 +50,11 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from linear_attention.ops import backends
 from linear_attention.ops.kda import gates
 
 MAX_KEY_DIM = 256
-CHUNK = 64
+CHUNK = backends.MOSAIC_CHUNK  # the kernel's chunk, owned by the policy
 
 _state = threading.local()
 
