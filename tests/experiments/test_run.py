@@ -315,7 +315,7 @@ def test_divergence_names_its_step_whatever_the_log_interval(tmp_path):
   # steps, yet names the step the gradients went non-finite.
   messages = set()
   for log_every in (1, 5):
-    config = config_lib.apply_diff(_smoke("kda"), {
+    config = config_lib.apply_diff(_smoke("none"), {
         "train.learning_rate": 1e30, "train.warmup_steps": 0,
         "train.log_every": log_every, "train.eval_every": 5,
         "train.checkpoint_every": 5})
