@@ -5,7 +5,10 @@ from typing import Mapping, Sequence
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.lines  # pylint: disable=g-import-not-at-top,wrong-import-position
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+RISING_LABEL = "a run still rising at its cap"
 
 
 def plot_accuracy(curves: Mapping[str, tuple[Sequence[int], Sequence[float]]],
@@ -77,7 +80,7 @@ def plot_bands_by_task(
         ax.plot(open_x, [100 * m for m, f in zip(mean, flags) if f],
                 linestyle="none", marker="o", markersize=8,
                 markerfacecolor="none", color=colors[mixer],
-                label="a run still rising at its cap")
+                label=RISING_LABEL)
       if len(counts) > 1:
         ax.annotate(f"n={count[-1]}", (x[-1], 100 * mean[-1]), fontsize=6,
                     color=colors[mixer], xytext=(3, 0),
@@ -99,6 +102,10 @@ def plot_bands_by_task(
   for ax in axes[0]:
     for handle, label in zip(*ax.get_legend_handles_labels()):
       handles.setdefault(label, handle)
+  if RISING_LABEL in handles:  # one grey entry for every mixer's markers
+    handles[RISING_LABEL] = matplotlib.lines.Line2D(
+        [], [], linestyle="none", marker="o", markersize=8,
+        markerfacecolor="none", color="gray")
   fig.legend(handles.values(), handles.keys(), loc="lower center",
              ncol=len(handles), fontsize=7, frameon=False)
   fig.suptitle(title, fontsize=9)

@@ -361,79 +361,34 @@ def _write_outputs(config, task, workdir, summary, evals) -> None:
       title=f"{task.name}: {config.model.mixer} (seed {config.seed})")
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       stop_at_step: int | None = None) -> dict[str, Any]:
-  """Trains, evaluates and checkpoints; returns the summary dict.
+def _restore(workdir, ckpt, tr, stored, params, opt_state):
+  """(start step, params, opt_state): from the checkpoint to resume, if any.
 
-  Args:
-    config: the experiment config (see configs/mqar.py).
-    workdir: output directory; an existing one is resumed.
-    stop_at_step: stop after this step without the final checkpoint or
-      summary, as if the process were killed there (for resume tests).
-
-  Returns:
-    The contents of summary.json (None values for an interrupted run's
-    summary fields are not written; the dict is returned regardless).
+  Later checkpoints (a "wsd" run's decay steps before an extension, or
+  damaged ones) are deleted: the run rewrites those steps.
   """
-  program_lib.validate_config(config)
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  tr = config.train
-  prog = program_lib.build_program(config)
-  task = prog.task
-  check_resumable(workdir, config)
-  stored = stored_config(workdir)
-  # Every process has read the stored config before process 0 replaces it.
-  program_lib.line_up("config checked")
-  b, t = tr.batch_size, task.seq_len
-  logging.info("Task %s: T=%d, vocab %d, chance accuracy %.4f.", task.name, t,
-               task.vocab_size, task.chance_accuracy)
-  if config.mesh.data * config.mesh.context > 1:
-    logging.info("Mesh: data %d x context %d devices (batch split over data,"
-                 " sequence over context).", config.mesh.data,
-                 config.mesh.context)
-  eval_set = _eval_set(config, task)
-
-  params = prog.init(jax.random.key(config.seed),
-                     jnp.zeros((1, t), jnp.int32))
-  opt_state = prog.init_opt(params)
-  logging.info("Model: mixer %s, %d parameters, KDA backend %s.",
-               config.model.mixer, model_lib.count_params(params),
-               program_lib.kda_backend(config))
-
-  decay_start = program_lib.decay_start(tr)
-  ckpt = checkpoints.manager(
-      workdir, keep_steps=() if decay_start is None else (decay_start,))
-  previous = _finished_summary(workdir, ckpt, config)
-  if previous is not None:
-    ckpt.close()
-    logging.info("%s already finished (%d steps); nothing to do.", workdir,
-                 previous["steps"])
-    return previous
-  if jax.process_index() == 0:
-    metrics_lib.write_atomic(
-        os.path.join(workdir, "config.json"),
-        config.to_json_best_effort(indent=2, sort_keys=True))
   start = _resume_step(workdir, ckpt, tr, stored)
   if start:
     start, params, opt_state = checkpoints.restore_latest(
         ckpt, start, params, opt_state)
     logging.info("Resumed from the checkpoint at step %d in %s.", start,
                  workdir)
-  # Later ones: a wsd run's decay steps before an extension, or damaged.
   checkpoints.delete(ckpt, [s for s in ckpt.all_steps() if s > start])
-  log = metrics_lib.MetricsLog(workdir, start,
-                               writer=jax.process_index() == 0)
+  return start, params, opt_state
 
-  last = tr.num_steps if stop_at_step is None else min(stop_at_step,
-                                                       tr.num_steps)
-  if start == 0 and not log.evals():  # a restart from 0 logged it already
-    loss, acc = _evaluate(prog, params, eval_set)
-    log.write(dict(step=0, split="eval", loss=loss, accuracy=acc))
 
-  t0 = time.time()
-  window = [t0, 0]  # (start time, steps) of the logging window
-  batches = Prefetch(train_batches(config, task), start, last)
+def _train_loop(config, prog, ckpt, log, eval_set, params, opt_state, start,
+                last):
+  """Steps `start + 1 .. last`, logging, evaluating and saving on the way.
+
+  Returns the parameters and the last step trained (before `last` when the
+  held-out accuracy reached train.stop_at_accuracy).
+  """
+  tr = config.train
+  b, t = tr.batch_size, prog.task.seq_len
+  decay_start = program_lib.decay_start(tr)
+  window = [time.time(), 0]  # (start time, steps) of the logging window
+  batches = Prefetch(train_batches(config, prog.task), start, last)
   unchecked = []  # (step, grads_finite on the device) since the last sync
   for step in range(start, last):
     params, opt_state, m = prog.train_step(params, opt_state,
@@ -470,6 +425,74 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       last = done
       break
   batches.close()
+  return params, last
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       stop_at_step: int | None = None) -> dict[str, Any]:
+  """Trains, evaluates and checkpoints; returns the summary dict.
+
+  Args:
+    config: the experiment config (see configs/mqar.py).
+    workdir: output directory; an existing one is resumed.
+    stop_at_step: stop after this step without the final checkpoint or
+      summary, as if the process were killed there (for resume tests).
+
+  Returns:
+    The contents of summary.json (None values for an interrupted run's
+    summary fields are not written; the dict is returned regardless).
+  """
+  program_lib.validate_config(config)
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  tr = config.train
+  prog = program_lib.build_program(config)
+  task = prog.task
+  check_resumable(workdir, config)
+  stored = stored_config(workdir)
+  # Every process has read the stored config before process 0 replaces it.
+  program_lib.line_up("config checked")
+  logging.info("Task %s: T=%d, vocab %d, chance accuracy %.4f.", task.name,
+               task.seq_len, task.vocab_size, task.chance_accuracy)
+  if config.mesh.data * config.mesh.context > 1:
+    logging.info("Mesh: data %d x context %d devices (batch split over data,"
+                 " sequence over context).", config.mesh.data,
+                 config.mesh.context)
+  eval_set = _eval_set(config, task)
+
+  params = prog.init(jax.random.key(config.seed),
+                     jnp.zeros((1, task.seq_len), jnp.int32))
+  opt_state = prog.init_opt(params)
+  logging.info("Model: mixer %s, %d parameters, KDA backend %s.",
+               config.model.mixer, model_lib.count_params(params),
+               program_lib.kda_backend(config))
+
+  decay_start = program_lib.decay_start(tr)
+  ckpt = checkpoints.manager(
+      workdir, keep_steps=() if decay_start is None else (decay_start,))
+  previous = _finished_summary(workdir, ckpt, config)
+  if previous is not None:
+    ckpt.close()
+    logging.info("%s already finished (%d steps); nothing to do.", workdir,
+                 previous["steps"])
+    return previous
+  if jax.process_index() == 0:
+    metrics_lib.write_atomic(
+        os.path.join(workdir, "config.json"),
+        config.to_json_best_effort(indent=2, sort_keys=True))
+  start, params, opt_state = _restore(workdir, ckpt, tr, stored, params,
+                                      opt_state)
+  log = metrics_lib.MetricsLog(workdir, start,
+                               writer=jax.process_index() == 0)
+  last = tr.num_steps if stop_at_step is None else min(stop_at_step,
+                                                       tr.num_steps)
+  if start == 0 and not log.evals():  # a restart from 0 logged it already
+    loss, acc = _evaluate(prog, params, eval_set)
+    log.write(dict(step=0, split="eval", loss=loss, accuracy=acc))
+
+  t0 = time.time()
+  params, last = _train_loop(config, prog, ckpt, log, eval_set, params,
+                             opt_state, start, last)
   ckpt.wait_until_finished()
   ckpt.close()
   summary = _summary(config, task, params, log, last=last, start=start,
