@@ -55,8 +55,8 @@ def restore_latest(ckpt: ocp.CheckpointManager, limit: int, params,
   """(step, params, opt_state) of the latest readable checkpoint <= `limit`.
 
   A checkpoint that fails to read (a truncated or missing file: damaged
-  after it was written) is logged, deleted and the one before it tried
-  (orbax keeps two); ValueError naming the directory when none can be read,
+  after it was written) is logged and the one before it tried (orbax keeps
+  two; the caller deletes the later ones); ValueError naming the directory when none can be read,
   rather than a silent restart from step 0.
   """
   damaged = []
@@ -73,8 +73,3 @@ def restore_latest(ckpt: ocp.CheckpointManager, limit: int, params,
   raise ValueError(
       f"{ckpt.directory}: no checkpoint at or before step {limit} can be"
       f" read (damaged: {damaged}); remove the run directory to retrain it.")
-
-
-def delete(ckpt: ocp.CheckpointManager, steps) -> None:
-  for step in steps:
-    ckpt.delete(step)

@@ -373,7 +373,8 @@ def _restore(workdir, ckpt, tr, stored, params, opt_state):
         ckpt, start, params, opt_state)
     logging.info("Resumed from the checkpoint at step %d in %s.", start,
                  workdir)
-  checkpoints.delete(ckpt, [s for s in ckpt.all_steps() if s > start])
+  for step in [s for s in ckpt.all_steps() if s > start]:
+    ckpt.delete(step)
   return start, params, opt_state
 
 
