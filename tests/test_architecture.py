@@ -12,7 +12,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("configs", "experiments", "linear_attention", "benchmarks")
 CLIS = ("run_experiment", "experiments.ablate", "experiments.sweep",
-        "experiments.export_tpu")
+        "experiments.export_tpu", "experiments.generate")
 
 # What each layer may import from the project (a prefix match on module
 # names); third-party packages are free except where `FORBIDDEN` says.
@@ -146,3 +146,118 @@ def test_a_planted_upward_import_and_cycle_are_caught(tmp_path):
     GRAPH["linear_attention.ops.kda.api"].discard("experiments.train")
     GRAPH["linear_attention.ops.kda.chunked"].discard(
         "linear_attention.ops.kda.api")
+
+
+# One owner for every decision: the KDA backend is resolved by the op alone.
+RESOLVER = "linear_attention.ops.backends"
+
+
+def _resolve_calls(source: str) -> list[int]:
+  """Lines that call `backends.resolve` (or `resolve` imported from it)."""
+  tree = ast.parse(source)
+  aliases = {a.asname or a.name for node in ast.walk(tree)
+             if isinstance(node, ast.ImportFrom) and node.module == RESOLVER
+             for a in node.names if a.name == "resolve"}
+  modules = {a.asname or a.name.split(".")[-1] for node in ast.walk(tree)
+             if isinstance(node, (ast.Import, ast.ImportFrom))
+             for a in node.names
+             if f"{getattr(node, 'module', None)}.{a.name}" == RESOLVER
+             or a.name == RESOLVER}
+  lines = []
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Call):
+      continue
+    f = node.func
+    if (isinstance(f, ast.Attribute) and f.attr == "resolve"
+        and isinstance(f.value, ast.Name) and f.value.id in modules) or (
+            isinstance(f, ast.Name) and f.id in aliases):
+      lines.append(node.lineno)
+  return lines
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n in MODULES if not n.startswith("linear_attention.ops")))
+def test_the_backend_is_resolved_in_ops_only(name):
+  with open(MODULES[name]) as f:
+    lines = _resolve_calls(f.read())
+  assert not lines, (
+      f"{name} calls backends.resolve at lines {lines}: the op decides the"
+      " backend; ask `linear_attention.ops.kda.api.resolved_backend`.")
+
+
+def test_a_planted_resolve_call_is_caught():
+  assert _resolve_calls(
+      "from linear_attention.ops import backends\n"
+      "backends.resolve('auto')\n") == [2]
+  assert _resolve_calls(
+      "from linear_attention.ops.backends import resolve as r\nr('auto')\n"
+  ) == [2]
+  assert _resolve_calls("import re\nre.compile('x')\n") == []
+
+
+# Tests pass the library arguments; they never patch its module globals.
+PATCHERS = {("mock", "patch"), ("patch", "object"), ("monkeypatch", "setattr"),
+            ("mock.patch", "object"), ("monkeypatch", "setitem")}
+
+
+def _dotted(node) -> str:
+  if isinstance(node, ast.Name):
+    return node.id
+  if isinstance(node, ast.Attribute):
+    return f"{_dotted(node.value)}.{node.attr}"
+  return ""
+
+
+def _library_patches(source: str) -> list[int]:
+  """Lines of a test that patch a project module (by object or by path)."""
+  tree = ast.parse(source)
+  project = {a.asname or a.name.split(".")[-1] for node in ast.walk(tree)
+             if isinstance(node, (ast.Import, ast.ImportFrom))
+             for a in node.names
+             if (getattr(node, "module", None) or a.name).split(".")[0]
+             in PACKAGES}
+  lines = []
+  for node in ast.walk(tree):
+    if not (isinstance(node, ast.Call) and node.args):
+      continue
+    func = _dotted(node.func)
+    if not any(func == f"{a}.{b}" or func.endswith(f".{a}.{b}")
+               for a, b in PATCHERS):
+      continue
+    target = node.args[0]
+    if isinstance(target, ast.Name) and target.id in project:
+      lines.append(node.lineno)
+    elif (isinstance(target, ast.Constant) and isinstance(target.value, str)
+          and target.value.split(".")[0] in PACKAGES):
+      lines.append(node.lineno)
+  return lines
+
+
+def _test_files():
+  for root, _, files in os.walk(os.path.join(REPO, "tests")):
+    for f in sorted(files):
+      if f.endswith(".py"):
+        yield os.path.relpath(os.path.join(root, f), REPO)
+
+
+@pytest.mark.parametrize("path", sorted(_test_files()))
+def test_no_test_patches_a_library_global(path):
+  with open(os.path.join(REPO, path)) as f:
+    lines = _library_patches(f.read())
+  assert not lines, (
+      f"{path} patches a project module at lines {lines}: pass the value as"
+      " an argument (e.g. the op's chunk_size) instead.")
+
+
+def test_a_planted_patch_is_caught():
+  planted = ("from unittest import mock\n"
+             "from linear_attention.ops import backends\n"
+             "mock.patch.object(backends, 'chunk_size', None)\n"
+             "mock.patch('experiments.train.time')\n"
+             "def t(monkeypatch):\n"
+             "  monkeypatch.setattr(backends, 'resolve', None)\n")
+  assert _library_patches(planted) == [3, 4, 6]
+  assert _library_patches("from absl import logging\n"
+                          "def t(monkeypatch):\n"
+                          "  monkeypatch.setattr(logging, 'info', None)\n"
+                          ) == []

@@ -36,8 +36,9 @@ Choices written down here:
   the transition I - beta k k^T has eigenvalues in (-1, 1]: what lets a
   linear recurrence track state such as parity (`experiments/tasks/
   parity.py`).
-* Decoding with backend="mosaic": pieces whose T is not a multiple of 64
-  (decode steps) run on "chunked" (logged once); the kernel needs T % 64 == 0.
+* The backend is the op's decision: the layer passes `backend` through, and
+  with backend="mosaic" the op runs decode pieces whose T is not a multiple
+  of 64 on "chunked" (logged once); the kernel needs T % 64 == 0.
 """
 
 import dataclasses
@@ -51,7 +52,6 @@ import jax.numpy as jnp
 
 from linear_attention.modules import norms
 from linear_attention.modules import short_conv
-from linear_attention.ops import backends
 from linear_attention.ops.kda import api as kda_api
 
 DECAYS = ("channel", "head")
@@ -71,6 +71,7 @@ def validate_kda_layer_args(
     context_axis: str | None = None,
     num_v_heads: int | None = None,
     allow_neg_eigval: bool = False,
+    chunk_size: int | None = None,
 ) -> None:
   """Raises ValueError, naming the argument, unless the layer can be built."""
   if context_axis is not None and not isinstance(context_axis, str):
@@ -108,6 +109,9 @@ def validate_kda_layer_args(
   if not isinstance(allow_neg_eigval, bool):
     raise ValueError(
         f"allow_neg_eigval must be a bool; got {allow_neg_eigval!r}.")
+  if chunk_size is not None and chunk_size not in kda_api.CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be None or one of"
+                     f" {kda_api.CHUNK_SIZES}; got {chunk_size!r}.")
 
 
 class KDACache(NamedTuple):
@@ -194,6 +198,7 @@ class KimiDeltaAttention(hk.Module):
   use_output_gate: bool = True  # sigmoid low-rank gate on the output.
   num_v_heads: int | None = None  # HV value heads (multiple of H); None: H.
   allow_neg_eigval: bool = False  # beta = 2 sigmoid(.): eigenvalues (-1, 1].
+  chunk_size: int | None = None  # "chunked" backend's chunk; None: platform's.
   name: str | None = None  # Haiku module name.
 
   def __post_init__(self):
@@ -203,7 +208,7 @@ class KimiDeltaAttention(hk.Module):
         lower_bound=self.lower_bound, backend=self.backend, decay=self.decay,
         use_output_gate=self.use_output_gate,
         context_axis=self.context_axis, num_v_heads=self.num_v_heads,
-        allow_neg_eigval=self.allow_neg_eigval)
+        allow_neg_eigval=self.allow_neg_eigval, chunk_size=self.chunk_size)
     super().__post_init__()  # hk.Module.__init__(name=self.name)
 
   @property
@@ -261,8 +266,7 @@ class KimiDeltaAttention(hk.Module):
         `cache`, every non-zero id is the row's one document continuing the
         cache (use 0 for padding). Padding outputs zero.
       max_num_segments: static bound on the documents per row, passed to the
-        op; default T for backend="mosaic" (tokamax needs a bound), unused
-        otherwise.
+        op (which needs it only with states).
       cache: a `KDACache` to continue from (`init_cache` for a new sequence).
       chunk_states_every: C, or None. With C (and no `cache`), also returns
         the decode caches at every C-th token (prefix caching): a `KDACache`
@@ -281,42 +285,89 @@ class KimiDeltaAttention(hk.Module):
     if x.ndim != 3:
       raise ValueError(f"x must have shape [B, T, D]; got {tuple(x.shape)}.")
     b, t, d = x.shape
-    h, kd, vd = self.num_heads, self.head_dim, self.value_dim
-    hv = self.value_heads
     cached = cache is not None
     every = chunk_states_every
-    if every is not None:
-      if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"chunk_states_every must be None or an int >= 1; got {every!r}.")
-      if cached:
-        raise ValueError(
-            "chunk_states_every is for a prefill from the start (cache=None);"
-            " got a cache.")
-      if self.context_axis is not None and every < self.conv_size - 1:
-        raise ValueError(
-            f"chunk_states_every ({every}) must be >= conv_size - 1"
-            f" ({self.conv_size - 1}) under context_axis.")
+    self._check_call(every, cached)
     if cached:
       self._check_cache(cache, b)
       if segment_ids is not None:  # one document per row, 0 = padding
         segment_ids = (segment_ids != 0).astype(jnp.int32)
-    tails = cache[:3] if cached else (None, None, None)
+    (q, k, v), projected, new_tails = self._qkv(x, segment_ids, cache)
+    g, a_log, dt_bias, beta = self._gate_and_beta(x)
+    initial_state = None
+    if cached:
+      initial_state = cache.state
+      if segment_ids is not None:  # ids are 0/1 here: one state per row
+        initial_state, max_num_segments = cache.state[:, None], 1
+    chunk_states = ({} if every is None else
+                    dict(output_chunk_states=True, chunk_states_every=every))
+    outs = kda_api.kimi_delta_attention(
+        q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
+        lower_bound=self.lower_bound, use_gate_in_kernel=True,
+        use_qk_l2norm=True, initial_state=initial_state,
+        output_final_state=cached, segment_ids=segment_ids,
+        max_num_segments=max_num_segments,
+        allow_neg_eigval=self.allow_neg_eigval, backend=self.backend,
+        context_axis=self.context_axis, chunk_size=self.chunk_size,
+        **chunk_states)
+    o, state = outs[:2]
+    chex.assert_shape(o, (b, t, self.value_heads, self.value_dim))
+    y = self._output(x, o)
+    if every is not None:
+      tails = [_tails_at_boundaries(p, segment_ids, every, self.conv_size)
+               for p in projected]
+      return y, KDACache(*tails, state=outs[2].astype(jnp.float32))
+    if not cached:
+      return y
+    if segment_ids is not None:
+      state = state[:, 0]
+    new_tails = [n.astype(c.dtype) for n, c in zip(new_tails, cache)]
+    new_cache = KDACache(*new_tails, state=state.astype(jnp.float32))
+    chex.assert_trees_all_equal_shapes(new_cache, cache)
+    return y, new_cache
 
-    qkv, new_tails, projected = [], [], []
+  def _check_call(self, every, cached):
+    """ValueError for a `chunk_states_every` this call cannot honour."""
+    if every is None:
+      return
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+      raise ValueError(
+          f"chunk_states_every must be None or an int >= 1; got {every!r}.")
+    if cached:
+      raise ValueError(
+          "chunk_states_every is for a prefill from the start (cache=None);"
+          " got a cache.")
+    if self.context_axis is not None and every < self.conv_size - 1:
+      raise ValueError(
+          f"chunk_states_every ({every}) must be >= conv_size - 1"
+          f" ({self.conv_size - 1}) under context_axis.")
+
+  @hk.transparent
+  def _qkv(self, x, segment_ids, cache):
+    """(q, k, v) per head, the projections before the convs, the new tails."""
+    b, t, _ = x.shape
+    h, kd, vd, hv = (self.num_heads, self.head_dim, self.value_dim,
+                     self.value_heads)
+    tails = cache[:3] if cache is not None else (None, None, None)
+    out, new_tails, projected = [], [], []
     for name, size, tail in zip("qkv", (h * kd, h * kd, hv * vd), tails):
       y = self._linear(size, f"{name}_proj")(x)
       projected.append(y)
       y = self._conv_silu(y, f"{name}_conv1d", segment_ids, tail)
-      if cached:
+      if cache is not None:
         y, tail = y
         new_tails.append(tail)
-      qkv.append(y)
-    q = qkv[0].reshape(b, t, h, kd)
-    k = qkv[1].reshape(b, t, h, kd)
-    v = qkv[2].reshape(b, t, hv, vd)
+      out.append(y)
+    heads = (h, h, hv)
+    dims = (kd, kd, vd)
+    qkv = tuple(y.reshape(b, t, n, e) for y, n, e in zip(out, heads, dims))
+    return qkv, projected, new_tails
 
-    f32 = jnp.float32
+  @hk.transparent
+  def _gate_and_beta(self, x):
+    """The raw gate [B, T, HV, K], a_log, dt_bias [HV * K] and beta."""
+    b, t, _ = x.shape
+    kd, hv, f32 = self.head_dim, self.value_heads, jnp.float32
     if self.decay == "channel":
       g = self._linear(hv * kd, "f_b_proj")(self._linear(kd, "f_a_proj")(x))
       g = g.reshape(b, t, hv, kd)
@@ -333,49 +384,17 @@ class KimiDeltaAttention(hk.Module):
     beta = jax.nn.sigmoid(self._linear(hv, "b_proj")(x).astype(f32))
     if self.allow_neg_eigval:
       beta = 2.0 * beta
+    return g, a_log, dt_bias, beta
 
-    backend = backends.resolve(self.backend,
-                               decode_len=t if cached else None)
-    initial_state = None
-    if cached:
-      initial_state = cache.state
-      if segment_ids is not None:  # ids are 0/1 here: one state per row
-        initial_state, max_num_segments = cache.state[:, None], 1
-    elif segment_ids is not None:
-      # Stateless: every document starts from zeros. tokamax's kernel needs a
-      # static bound on the documents per row (T at most); the XLA backends
-      # (ops/kda/common.py `prepare`) only size zero initial states by it, so
-      # 1 serves them (every id reads the same zero state).
-      max_num_segments = max_num_segments or (
-          t if backend == kda_api.Backend.MOSAIC else 1)
-    outs = kda_api.kimi_delta_attention(
-        q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
-        lower_bound=self.lower_bound, use_gate_in_kernel=True,
-        use_qk_l2norm=True, initial_state=initial_state,
-        output_final_state=cached, segment_ids=segment_ids,
-        max_num_segments=max_num_segments,
-        allow_neg_eigval=self.allow_neg_eigval,
-        output_chunk_states=every is not None,
-        chunk_states_every=every or 64, backend=backend,
-        context_axis=self.context_axis)
-    o, state = outs[:2]
-    chex.assert_shape(o, (b, t, hv, vd))
-
+  @hk.transparent
+  def _output(self, x, o):
+    """y = (RMSNorm_head(o) * output gate) W_o, [B, T, D] in x.dtype."""
+    b, t, d = x.shape
+    hv, kd, vd = self.value_heads, self.head_dim, self.value_dim
     o = norms.RMSNorm(name="o_norm")(o).reshape(b, t, hv * vd)
     if self.use_output_gate:
       gate = self._linear(hv * vd, "g_b_proj")(self._linear(kd, "g_a_proj")(x))
-      o = o * jax.nn.sigmoid(gate.astype(f32)).astype(o.dtype)
+      o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
     y = self._linear(d, "o_proj")(o).astype(x.dtype)
     chex.assert_shape(y, (b, t, d))
-    if every is not None:
-      tails = [_tails_at_boundaries(p, segment_ids, every, self.conv_size)
-               for p in projected]
-      return y, KDACache(*tails, state=outs[2].astype(f32))
-    if not cached:
-      return y
-    if segment_ids is not None:
-      state = state[:, 0]
-    new_tails = [n.astype(c.dtype) for n, c in zip(new_tails, cache)]
-    new_cache = KDACache(*new_tails, state=state.astype(f32))
-    chex.assert_trees_all_equal_shapes(new_cache, cache)
-    return y, new_cache
+    return y

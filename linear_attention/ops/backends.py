@@ -1,22 +1,27 @@
 """The one backend policy: which KDA implementation runs, and how.
 
-Every caller (the op, its context-parallel path, the layer's decode, the
-experiments, the benchmarks) asks `resolve`, so a choice or a fallback is
-made in one place and logged once (recurrentgemma resolves its `ScanType`
-the same way). The platform rules live here too: the chunked form's chunk
-size per platform.
+`kimi_delta_attention` asks `resolve` once per call (the decode fallback
+included), so a choice or a fallback is made in one place and logged once
+(recurrentgemma resolves its `ScanType` the same way); code above the op
+reads the answer through `linear_attention.ops.kda.api.resolved_backend`
+(`tests/test_architecture.py` keeps `resolve` inside `ops/`). The platform
+rules live here too: the chunked form's chunk size per platform.
 
 * `Backend.AUTO` is `MOSAIC` on a TPU v6 or newer (the generations tokamax's
   Pallas kernel supports), `CHUNKED` everywhere else;
-* `MOSAIC` for a decode piece whose T is not a multiple of 64 (the kernel's
-  chunk) runs on `CHUNKED`: a logged fallback, the same numbers;
+* a decode piece (the op decides which pieces are: those that continue a
+  state where a chunked form would pad them) shorter than a chunk
+  (`chunk_size()`: a decode step) runs the token recurrence, `REFERENCE`:
+  one state update a token instead of a padded chunk (recurrentgemma runs
+  its T == 1 step the same way); a longer one asked of `MOSAIC` whose T is
+  not a multiple of 64 (the kernel's chunk) runs on `CHUNKED`. Both are
+  logged once; the numbers are the same to float32 rounding;
 * nothing else is switched: `MOSAIC` asked for off TPU raises (see
   `ops/kda/mosaic.py` for running it in interpret mode).
 """
 
 import re
 
-from absl import logging
 import jax
 
 from linear_attention.ops import backend_enum
@@ -33,15 +38,6 @@ class Backend(backend_enum.BackendEnum):
   CHUNKED = "chunked"  # chunked WY/UT form in XLA: CPU/GPU default
   MOSAIC = "mosaic"  # tokamax's Pallas TPU kernel
   AUTO = "auto"  # MOSAIC on TPU v6+, CHUNKED elsewhere
-
-
-_logged: set[tuple] = set()
-
-
-def _log_once(key: tuple, msg: str, *args) -> None:
-  if key not in _logged:
-    _logged.add(key)
-    logging.info(msg, *args)
 
 
 def tpu_generation(device_kind: str) -> int | None:
@@ -97,7 +93,7 @@ def resolve(backend: "str | Backend", *, decode_len: int | None = None,
 
   Args:
     backend: "reference" | "chunked" | "mosaic" | "auto", or a `Backend`.
-    decode_len: T of a decode piece (the layer with a cache), or None.
+    decode_len: T of a piece that continues a state (decode), or None.
     device_kind: the device to decide for (default: the device of the
       abstract mesh in context when it names one, as
       `linear_attention.ops.kda.mosaic.lowering_mode` does, else the first
@@ -116,16 +112,23 @@ def resolve(backend: "str | Backend", *, decode_len: int | None = None,
     backend = (Backend.MOSAIC if generation is not None
                and generation >= MOSAIC_MIN_TPU_GENERATION
                else Backend.CHUNKED)
-    _log_once(("auto", kind), "KDA backend 'auto' on %s: %s.", kind,
-              backend.value)
-  if (backend is Backend.MOSAIC and decode_len is not None
-      and decode_len % MOSAIC_CHUNK):
-    _log_once(("decode", decode_len),
-              "KDA decode piece of T=%d is not a multiple of %d: running it"
-              " on backend 'chunked' instead of 'mosaic'.", decode_len,
-              MOSAIC_CHUNK)
+    backend_enum.log_once(("auto", kind), "KDA backend 'auto' on %s: %s.",
+                          kind, backend.value)
+  if (backend is not Backend.REFERENCE and decode_len is not None
+      and decode_len < chunk_size()):
+    backend_enum.log_once(
+        ("decode", backend, decode_len), "KDA decode piece of T=%d (shorter"
+        " than a chunk): the token recurrence ('reference') instead of %r.",
+        decode_len, backend.value)
+    backend = Backend.REFERENCE
+  elif (backend is Backend.MOSAIC and decode_len is not None
+        and decode_len % MOSAIC_CHUNK):
+    backend_enum.log_once(
+        ("decode", backend, decode_len), "KDA decode piece of T=%d is not a"
+        " multiple of %d: running it on backend 'chunked' instead of"
+        " 'mosaic'.", decode_len, MOSAIC_CHUNK)
     backend = Backend.CHUNKED
-  _log_once(("run", backend), "KDA backend: %s.", backend.value)
+  backend_enum.log_once(("run", backend), "KDA backend: %s.", backend.value)
   return backend
 
 

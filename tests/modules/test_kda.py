@@ -9,7 +9,6 @@ isolation).
 
 import dataclasses
 import math
-from unittest import mock
 
 from absl.testing import parameterized
 import chex
@@ -30,7 +29,6 @@ from linear_attention.modules import KDACache
 from linear_attention.modules import KimiDeltaAttention
 from linear_attention.modules import kda as kda_module
 from linear_attention.modules.kda import validate_kda_layer_args
-from linear_attention.ops.kda import api as kda_api
 
 H, K, D = 2, 16, 32
 F32_RTOL = testing.RTOL[np.dtype("float32")]  # 1e-5
@@ -379,53 +377,6 @@ class KimiDeltaAttentionTest(chex.TestCase):
       np.testing.assert_array_equal(dx[seg != doc], 0.0)
       assert np.abs(dx[seg == doc]).max() > 0
 
-  def test_q_and_k_reach_the_op_with_l2_normalisation(self):
-    calls = []
-    real_op = kda_api.kimi_delta_attention
-
-    def spy(q, k, v, g, beta, **kwargs):
-      calls.append((q, k, v, g, beta, kwargs))
-      return real_op(q, k, v, g, beta, **kwargs)
-
-    f = _transform()
-    x = _x(1, 9)
-    params = _params(f, x)
-    with mock.patch.object(kda_api, "kimi_delta_attention", spy):
-      f.apply(params, None, x)
-    (q, k, v, g, beta, kwargs), = calls
-    assert kwargs["use_qk_l2norm"] is True
-    assert kwargs["use_gate_in_kernel"] is True
-    normalise = lambda a: a / np.sqrt(np.sum(np.square(a, dtype=np.float64),
-                                             -1, keepdims=True) + 1e-6)
-    qn, kn = normalise(np.asarray(q)), normalise(np.asarray(k))
-    for name, raw, unit in (("q", q, qn), ("k", k, kn)):
-      norms = np.linalg.norm(unit, axis=-1)
-      np.testing.assert_allclose(norms, 1.0, atol=1e-4, err_msg=name)
-      assert np.abs(np.linalg.norm(raw, axis=-1) - 1).max() > 0.1  # not a no-op
-    # The op's own normalisation is the one written above.
-    kw = dict(kwargs, use_qk_l2norm=False)
-    o_explicit, _ = real_op(jnp.asarray(qn, jnp.float32),
-                            jnp.asarray(kn, jnp.float32), v, g, beta, **kw)
-    o_inside, _ = real_op(q, k, v, g, beta, **kwargs)
-    testing.assert_close(o_inside, o_explicit, rtol=F32_RTOL, name="o")
-
-  def test_head_decay_is_one_gate_per_head(self):
-    calls = []
-    real_op = kda_api.kimi_delta_attention
-    spy = lambda *a, **kw: calls.append((a, kw)) or real_op(*a, **kw)
-    f = _transform(decay="head")
-    x = _x(1, 6)
-    params = _params(f, x)
-    with mock.patch.object(kda_api, "kimi_delta_attention", spy):
-      f.apply(params, None, x)
-    ((_, _, _, g, _), kwargs), = calls
-    g = np.asarray(g)
-    dt_bias = np.asarray(kwargs["dt_bias"]).reshape(H, K)
-    np.testing.assert_array_equal(g, np.broadcast_to(g[..., :1], g.shape))
-    np.testing.assert_array_equal(dt_bias, np.broadcast_to(dt_bias[:, :1],
-                                                           dt_bias.shape))
-    assert np.ptp(g) > 0 and np.ptp(dt_bias) > 0
-
   def test_config_builds_the_layer_and_is_locked(self):
     config = layer_configs.kda_config()
     fields = {f.name for f in dataclasses.fields(KimiDeltaAttention)}
@@ -449,7 +400,7 @@ class KimiDeltaAttentionTest(chex.TestCase):
       ("lower_bound", -6.0), ("lower_bound", 0.0), ("lower_bound", 1.0),
       ("lower_bound", float("nan")), ("lower_bound", float("-inf")),
       ("backend", "tpu"), ("decay", "token"), ("num_v_heads", 3),
-      ("num_v_heads", 0),
+      ("num_v_heads", 0), ("chunk_size", 32),
   )
   def test_bad_argument_raises_value_error_naming_it(self, name, value):
     kw = dict(layer_configs.kda_config())

@@ -27,11 +27,14 @@ def test_explicit_choices_are_kept_and_decode_falls_back_logged(
   monkeypatch.setattr(logging, "info",
                       lambda msg, *args: messages.append(msg % args))
   assert backends.resolve("mosaic", decode_len=128) is Backend.MOSAIC
-  assert backends.resolve("mosaic", decode_len=1) is Backend.CHUNKED
-  assert backends.resolve("mosaic", decode_len=1) is Backend.CHUNKED
-  assert backends.resolve("chunked", decode_len=1) is Backend.CHUNKED
+  assert backends.resolve("mosaic", decode_len=100) is Backend.CHUNKED
+  assert backends.resolve("mosaic", decode_len=1) is Backend.REFERENCE
+  assert backends.resolve("mosaic", decode_len=1) is Backend.REFERENCE
+  assert backends.resolve("chunked", decode_len=1) is Backend.REFERENCE
+  assert backends.resolve("chunked", decode_len=100) is Backend.CHUNKED
   fallbacks = [m for m in messages if "T=1 " in m]
-  assert len(fallbacks) == 1 and "'chunked'" in fallbacks[0]  # logged once
+  assert len(fallbacks) == 2 and all(  # logged once per requested backend
+      "token recurrence" in m for m in fallbacks)
 
 
 def test_bad_names_and_platform_rules():
@@ -56,3 +59,30 @@ def test_the_op_runs_auto_as_the_resolved_backend():
   o_auto, _ = ops.kimi_delta_attention(q, k, v, g, beta, backend="auto")
   o, _ = ops.kimi_delta_attention(q, k, v, g, beta, backend=resolved)
   np.testing.assert_array_equal(o_auto, o)
+
+
+def test_the_op_runs_a_decode_step_as_the_token_recurrence():
+  # A piece that continues a state and is shorter than a chunk is a decode
+  # step: the op itself runs it as the token recurrence, for "mosaic" too
+  # (so it runs here, on a host where Mosaic would need interpret mode).
+  ks = jax.random.split(jax.random.key(1), 5)
+  q, k, v = (jax.random.normal(key, (2, 1, 2, 8)) for key in ks[:3])
+  g = -jax.nn.softplus(jax.random.normal(ks[3], (2, 1, 2, 8)))
+  beta = jnp.full((2, 1, 2), 0.5)
+  state = jax.random.normal(ks[4], (2, 2, 8, 8))
+  run = lambda backend: ops.kimi_delta_attention(
+      q, k, v, g, beta, initial_state=state, output_final_state=True,
+      backend=backend)
+  for backend in ("mosaic", "chunked"):
+    for got, want in zip(run(backend), run("reference")):
+      np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name,value", [("chunk_size", 32), ("chunk_size", 0),
+                                        ("group_width", 0),
+                                        ("group_width", 1.5)])
+def test_bad_tuning_raises_value_error_naming_it(name, value):
+  x = jnp.ones((1, 16, 1, 8))
+  with pytest.raises(ValueError, match=name):
+    ops.kimi_delta_attention(x, x, x, -x, jnp.full((1, 16, 1), 0.5),
+                             **{name: value})

@@ -6,7 +6,6 @@ outputs, final states, and every gradient under random cotangents
 """
 
 import dataclasses
-from unittest import mock
 
 from absl.testing import parameterized
 import chex
@@ -16,7 +15,6 @@ import numpy as np
 
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.ops import backends
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda.chunked import grouped as chunked_grouped
@@ -180,8 +178,8 @@ class ChunkedVsReferenceTest(chex.TestCase):
   def test_forward_and_gradients(self, case, size):
     args, kw = make_inputs(case)
     # kw holds arrays (segment ids): close over it instead of passing it.
-    with mock.patch.object(backends, "chunk_size", lambda platform=None: size):
-      actual = self.variant(lambda a: loss_and_grads(a, kw, "chunked"))(args)
+    tuned = dict(kw, chunk_size=size)
+    actual = self.variant(lambda a: loss_and_grads(a, tuned, "chunked"))(args)
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
 
@@ -251,9 +249,8 @@ class ChunkedGroupsTest(parameterized.TestCase):
   )
   def test_forward_and_gradients(self, width, size, case):
     args, kw = make_inputs(case)
-    with (mock.patch.object(chunked_grouped, "GROUP_WIDTH", width),
-          mock.patch.object(backends, "chunk_size", lambda platform=None: size)):
-      actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
+    tuned = dict(kw, chunk_size=size, group_width=width)
+    actual = jax.jit(lambda a: loss_and_grads(a, tuned, "chunked"))(args)
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
 
@@ -313,7 +310,8 @@ class MosaicVsReferenceTest(parameterized.TestCase):
                                backend="mosaic", **kw)
 
   def test_limits_raise_not_implemented(self):
-    args, kw = make_inputs(Case(b=1, t=63, h=1, k=16, v=16))
+    # No initial state: with one, a T = 63 piece is a decode piece (chunked).
+    args, kw = make_inputs(Case(b=1, t=63, h=1, k=16, v=16, init=False))
     with self.assertRaisesRegex(NotImplementedError, "interpret"):
       ops.kimi_delta_attention(**args, backend="mosaic", **kw)
     with mosaic.interpret_mode():

@@ -7,7 +7,6 @@ values and, by central differences, for gradients, on one device and under
 context parallelism, with packed segments, padding and initial states.
 """
 
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,6 @@ import pytest
 
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.ops import backends
 from tests.kda_oracle import kda_numpy
 from tests.ops import test_gradient_anchors as anchors
 from tests.parallel import common as cp_common
@@ -51,7 +49,7 @@ def oracle_chunk_states(args, kw, every):
   return np.stack(out, axis=1)
 
 
-def run(args, kw, backend, every, num_ranks=None):
+def run(args, kw, backend, every, num_ranks=None, chunk_size=16):
   names = sorted(args)
   seq = ("q", "k", "v", "g", "beta")
   ids = kw.get("segment_ids")
@@ -64,7 +62,7 @@ def run(args, kw, backend, every, num_ranks=None):
         dt_bias=a.get("dt_bias"), initial_state=a.get("initial_state"),
         segment_ids=xs[-1] if ids is not None else None,
         output_final_state=True, output_chunk_states=True,
-        chunk_states_every=every, backend=backend,
+        chunk_states_every=every, backend=backend, chunk_size=chunk_size,
         context_axis=None if num_ranks is None else AXIS, **static)
 
   xs = [args[n] for n in names] + ([ids] if ids is not None else [])
@@ -101,8 +99,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_chunk_states_match_the_float64_oracle(backend, case, every):
   args, kw = anchors.make_case(**CASES[case])  # T = 40
-  with mock.patch.object(backends, "chunk_size", lambda platform=None: 16):
-    o, final, states = jax.jit(lambda a: run(a, kw, backend, every))(args)
+  o, final, states = jax.jit(lambda a: run(a, kw, backend, every))(args)
   o_np, final_np = kda_numpy(**args, **kw)
   testing.assert_close(o, o_np, rtol=1e-12, name="output")
   testing.assert_close(final, final_np, rtol=1e-12, name="final_state")
@@ -120,12 +117,11 @@ def test_chunk_states_match_the_float64_oracle(backend, case, every):
 def test_chunk_state_gradients_match_finite_differences(backend):
   args, kw = anchors.make_case(gate="softplus", segments=True, init=True,
                                value_heads=4, neg_eigval=True)
-  with mock.patch.object(backends, "chunk_size", lambda platform=None: 16):
-    shapes = [x.shape for x in jax.jit(
-        lambda a: run(a, kw, backend, 8))(args)]
-    loss = loss_fn(kw, backend, 8, shapes)
-    anchors.check_against_finite_differences(
-        loss, args, [n for n in anchors.DIFF if n in args])
+  shapes = [x.shape for x in jax.jit(
+      lambda a: run(a, kw, backend, 8))(args)]
+  loss = loss_fn(kw, backend, 8, shapes)
+  anchors.check_against_finite_differences(
+      loss, args, [n for n in anchors.DIFF if n in args])
 
 
 def test_context_parallel_chunk_states_are_the_global_ones():

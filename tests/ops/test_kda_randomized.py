@@ -77,7 +77,6 @@ is written (`database=None`).
 
 import dataclasses
 import os
-from unittest import mock
 
 from hypothesis import HealthCheck
 from hypothesis import Phase
@@ -91,9 +90,7 @@ import pytest
 
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.ops import backends
 from linear_attention.ops.kda import mosaic
-from linear_attention.ops.kda.chunked import grouped as chunked_grouped
 from tests import kda_oracle
 from tests.kda_oracle import kda_numpy
 from tests.ops.test_kda import loss_and_grads
@@ -260,14 +257,11 @@ def make_inputs(ex: Example):
 def run_xla_backend(ex: Example, args, kw, backend):
   """`loss_and_grads` under jit, with chunked's knobs set for the trace."""
   # kw holds arrays (segment ids): close over it; a fresh lambda per call
-  # traces again, so the patched knobs below take effect.
+  # traces again.
+  if backend == "chunked":
+    kw = dict(kw, chunk_size=ex.chunk, group_width=ex.group_width)
   fn = jax.jit(lambda a: loss_and_grads(a, kw, backend, seed=ex.seed + 1))
-  width = (chunked_grouped.GROUP_WIDTH if ex.group_width is None
-           else ex.group_width)
-  with (mock.patch.object(backends, "chunk_size",
-                          lambda platform=None: ex.chunk),
-        mock.patch.object(chunked_grouped, "GROUP_WIDTH", width)):
-    return jax.device_get(fn(args))
+  return jax.device_get(fn(args))
 
 
 def assert_grad_close(actual, expected, name, mass=None, chain=None):

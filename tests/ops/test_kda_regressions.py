@@ -12,7 +12,6 @@ differences.
 """
 
 import functools
-from unittest import mock
 
 import haiku as hk
 import jax
@@ -24,7 +23,6 @@ from linear_attention import ops
 from linear_attention import testing
 from linear_attention.modules import KimiDeltaAttention
 from linear_attention.modules import kda as kda_module
-from linear_attention.ops import backends
 from tests.kda_oracle import kda_numpy
 from tests.ops.test_kda import loss_and_grads
 from tests.parallel import common as cp_common
@@ -48,8 +46,7 @@ def run(args, kw, backend):
 
 def check(args, kw, *, chunk, rtol=F32, oracle=True):
   """chunked (at `chunk`) and reference: finite, oracle forward, same grads."""
-  with mock.patch.object(backends, "chunk_size", lambda platform=None: chunk):
-    o, s, grads = run(args, kw, "chunked")
+  o, s, grads = run(args, dict(kw, chunk_size=chunk), "chunked")
   o_ref, s_ref, grads_ref = run(args, kw, "reference")
   for name, x in [("output", o), ("final_state", s)] + list(grads.items()):
     assert np.all(np.isfinite(np.asarray(x, np.float32))), name
@@ -174,7 +171,7 @@ def test_short_sequences_train_and_decode(chunk):
   # T <= 64 is a single partial chunk (or none at all on 64-token chunks);
   # T < conv window leaves the conv's prefix half empty. Decoding is causal,
   # so one 70-token decode gives the expected output of every length.
-  f = _layer()
+  f = _layer(chunk_size=chunk)
   x = jax.random.normal(jax.random.key(0), (2, 70, 32))
   params = _noisy_params(f, x[:, :8])
   cache = kda_module.init_kda_cache(2, num_heads=2, head_dim=16)
@@ -185,13 +182,12 @@ def test_short_sequences_train_and_decode(chunk):
     loss = lambda p, x: jnp.sum(f.apply(p, x) * cot[:, :x.shape[1]])
     return f.apply(params, x), jax.grad(loss, (0, 1))(params, x)
 
-  with mock.patch.object(backends, "chunk_size", lambda platform=None: chunk):
-    decoded = jax.jit(functools.partial(_decode, f))(params, x, cache)
-    for t in SHORT_LENGTHS[chunk]:
-      y, grads = forward_and_grads(params, x[:, :t])
-      testing.assert_close(y, decoded[:, :t], rtol=F32, name=f"T={t}")
-      for g in jax.tree.leaves(grads):
-        assert np.all(np.isfinite(np.asarray(g))), f"T={t}"
+  decoded = jax.jit(functools.partial(_decode, f))(params, x, cache)
+  for t in SHORT_LENGTHS[chunk]:
+    y, grads = forward_and_grads(params, x[:, :t])
+    testing.assert_close(y, decoded[:, :t], rtol=F32, name=f"T={t}")
+    for g in jax.tree.leaves(grads):
+      assert np.all(np.isfinite(np.asarray(g))), f"T={t}"
 
 
 def _numpy_conv(x, w, ids):

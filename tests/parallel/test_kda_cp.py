@@ -156,24 +156,33 @@ class ContextParallelKdaTest(parameterized.TestCase):
 class MosaicContextParallelTest(parameterized.TestCase):
   """tokamax's CP path (ContextParallelMetadata) and its limits."""
 
-  @parameterized.named_parameters(("packed", True), ("unpacked", False))
-  def test_interpret_mode_matches_reference(self, packed):
+  # Runs of (id, length) over T = 128, split at 64 over 2 ranks.
+  LAYOUTS = {
+      # canonical: a document crossing the split, trailing padding
+      "packed": ((1, 40), (2, 70), (0, 18)),
+      # padding inside a run, a run continuing across the split through
+      # padding, ids out of order, id 1 back after id 3 (a new run)
+      "any_layout": ((2, 20), (0, 10), (2, 20), (1, 10), (0, 8), (1, 12),
+                     (3, 20), (1, 28)),
+      "unpacked": None,  # no segment_ids: the adapter hands a row of ones
+  }
+
+  @parameterized.parameters("packed", "any_layout", "unpacked")
+  def test_interpret_mode_matches_reference(self, layout):
     # tokamax's kernel in Pallas interpret mode (about a minute): 2 ranks,
-    # K = V = 128; packed: a document crossing the split, trailing padding;
-    # unpacked: no segment_ids, the one sequence crossing the split (the
-    # adapter hands tokamax a row of ones).
+    # K = V = 128.
     rng = np.random.default_rng(0)
     b, t, h, kd = 1, 128, 1, 128
     normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
     x = dict(q=normal(b, t, h, kd), k=normal(b, t, h, kd),
              v=normal(b, t, h, kd), g=normal(b, t, h, kd),
              beta=jax.nn.sigmoid(normal(b, t, h)))
-    ids = jnp.asarray(np.repeat([1, 2, 0], [40, 70, 18])[None], jnp.int32)
+    runs = self.LAYOUTS[layout]
+    ids = None if runs is None else jnp.asarray(
+        np.repeat(*zip(*runs))[None], jnp.int32)
     kw = dict(a_log=jnp.zeros((h,)), dt_bias=normal(h * kd) * 0.1,
               lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
-              max_num_segments=4 if packed else None)
-    if not packed:
-      ids = None
+              max_num_segments=None if runs is None else 4)
     do = normal(b, t, h, kd)
     spec = P(None, AXIS)
 
@@ -197,6 +206,24 @@ class MosaicContextParallelTest(parameterized.TestCase):
     for name in grads_ref:
       testing.assert_close(grads[name], grads_ref[name], rtol=1e-5,
                            name=f"d{name}")
+
+  @parameterized.parameters(2, 4, 8)
+  def test_global_runs_label_the_ops_runs_across_ranks(self, num_ranks):
+    # Every layout of the op (a run continues through padding; an id back
+    # after another is a new run) against the run count on the whole row.
+    ids = common.packed_segment_ids()
+    want = np.zeros_like(ids)
+    for r, row in enumerate(ids):
+      previous, n = 0, 0
+      for i, x in enumerate(row):
+        if x and x != previous:
+          n += 1
+        previous = x or previous
+        want[r, i] = max(n, 1)
+    got = jax.shard_map(
+        lambda s: mosaic._global_runs(s, AXIS), mesh=common.mesh(num_ranks),
+        in_specs=P(None, AXIS), out_specs=P(None, AXIS))(jnp.asarray(ids))
+    np.testing.assert_array_equal(got, want)
 
   @parameterized.named_parameters(
       ("small_dims", dict(init=False), False, "multiples of 128"),

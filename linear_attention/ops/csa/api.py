@@ -14,7 +14,6 @@ are equal; invisible entries are -inf and get a zero gradient.
 
 import math
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -33,9 +32,6 @@ class Backend(backend_enum.BackendEnum):
   REFERENCE = "reference"  # one einsum over [B, S, H, W]: the oracle
   XLA_CHUNKED = "xla_chunked"  # query tiles x head chunks, custom VJP
   PALLAS = "pallas"  # fused forward/backward Pallas kernels (TPU)
-
-
-_logged_backends: set[Backend] = set()
 
 
 def _check(name, x, shape, what, *, integer=False):
@@ -162,10 +158,9 @@ def csa_streamindex_score(
   if block_last_positions is None:
     block_last_positions = jnp.broadcast_to(
         (jnp.arange(nw, dtype=jnp.int32) + 1) * compress_rate - 1, (b, nw))
-  if backend not in _logged_backends:
-    _logged_backends.add(backend)
-    logging.info("Running csa_streamindex_score with backend %s.",
-                 backend.value)
+  backend_enum.log_once(("csa", backend),
+                        "Running csa_streamindex_score with backend %s.",
+                        backend.value)
   kwargs = dict(softmax_scale=softmax_scale, q_positions=q_positions,
                 block_last_positions=block_last_positions,
                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)

@@ -26,9 +26,11 @@ slice). Computed by the exact state passing of
 own runner: about one extra forward pass with V + K value columns.
 """
 
+import contextlib
 import functools
 import math
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,7 @@ from linear_attention.ops.kda import reference
 
 
 Backend = backends.Backend
+CHUNK_SIZES = chunked.CHUNK_SIZES  # `chunk_size` of the chunked backend
 
 LOWER_BOUND_MIN = -5.0
 
@@ -170,6 +173,8 @@ def kimi_delta_attention(
     chunk_states_every: int = 64,
     backend: str | Backend = "chunked",
     context_axis: str | None = None,
+    chunk_size: int | None = None,
+    group_width: int | None = None,
 ) -> tuple[jax.Array, ...]:
   """Kimi Delta Attention over [B, T, H, *] inputs.
 
@@ -202,8 +207,11 @@ def kimi_delta_attention(
     chunk_states_every: C >= 1, the distance between those states (under
       `context_axis`, each rank's T must be a multiple of C).
     backend: "reference" | "chunked" | "mosaic" | "auto" (or a `Backend`);
-      resolved by `linear_attention.ops.backends.resolve` ("auto": mosaic
-      on TPU v6+, chunked elsewhere).
+      resolved here, once, by `linear_attention.ops.backends.resolve`
+      ("auto": mosaic on TPU v6+, chunked elsewhere). A decode piece (an
+      `initial_state`, T shorter than a chunk: 16 on CPU, 64 elsewhere)
+      runs the token recurrence; one for "mosaic" with T not a multiple of
+      64 (and no `segment_ids`) runs on chunked.
     context_axis: None, or the name of a mesh axis when called inside
       `jax.shard_map` with T split over it (contiguous slices in rank order;
       segment_ids is this rank's slice of the global ids; initial_state and
@@ -211,6 +219,12 @@ def kimi_delta_attention(
       global one on this rank's slice, by exact state passing
       (`linear_attention.ops.kda.context_parallel`); "mosaic" uses
       tokamax's CP path and raises NotImplementedError for its limits.
+    chunk_size: tokens per chunk of "chunked": 16 or 64; None is the
+      platform's (`backends.chunk_size`: 16 on CPU, 64 elsewhere). "mosaic"
+      takes only 64 (NotImplementedError otherwise); "reference" ignores it.
+    group_width: chunk-heads x K per step of "chunked"'s grouped scan (an
+      int >= 1; None: `chunked.grouped.GROUP_WIDTH`); other backends ignore
+      it. Both change the schedule, not the result beyond rounding.
 
   Returns:
     (o [B, T, HV, V] in q.dtype, final_state or None); with
@@ -224,7 +238,7 @@ def kimi_delta_attention(
     ValueError: bad input (the message names the argument).
     NotImplementedError: the backend cannot take this input.
   """
-  backend = backends.resolve(backend)
+  Backend.parse(backend)  # ValueError: not a backend name
   if context_axis is not None:
     axes.axis_size(context_axis)  # ValueError: not a bound axis
   _validate(q, k, v, g, beta, scale=scale, a_log=a_log, dt_bias=dt_bias,
@@ -233,26 +247,18 @@ def kimi_delta_attention(
             output_final_state=output_final_state, segment_ids=segment_ids,
             max_num_segments=max_num_segments,
             allow_neg_eigval=allow_neg_eigval)
+  # The one decision. A decode piece continues a state where a chunked form
+  # would pad it: any T without segments (Mosaic takes only multiples of
+  # 64), a piece shorter than a chunk with them.
+  t = q.shape[1]
+  decode = initial_state is not None and (
+      segment_ids is None or t < backends.MOSAIC_CHUNK)
+  backend = backends.resolve(backend, decode_len=t if decode else None)
+  tuning = _tuning(backend, chunk_size, group_width)
   if scale is None:
     scale = q.shape[-1] ** -0.5
-  if not isinstance(output_chunk_states, bool):
-    raise ValueError(f"output_chunk_states must be a bool; got"
-                     f" {output_chunk_states!r}.")
-  if output_chunk_states:
-    if (isinstance(chunk_states_every, bool)
-        or not isinstance(chunk_states_every, int) or chunk_states_every < 1):
-      raise ValueError(f"chunk_states_every must be an int >= 1; got"
-                       f" {chunk_states_every!r}.")
-    if context_axis is not None and q.shape[1] % chunk_states_every:
-      raise ValueError(
-          f"chunk_states_every ({chunk_states_every}) must divide each"
-          f" rank's sequence length under context_axis; got T_local ="
-          f" {q.shape[1]}.")
-    if backend is Backend.MOSAIC:
-      raise NotImplementedError(
-          "output_chunk_states is implemented on the 'reference' and"
-          " 'chunked' backends, not 'mosaic' (tokamax's kernel returns no"
-          " intermediate states and takes only canonical segment layouts).")
+  _check_chunk_states(output_chunk_states, chunk_states_every, backend,
+                      t_local=q.shape[1], context_axis=context_axis)
   group = v.shape[2] // q.shape[2]
   if group > 1:  # grouped value heads: one q/k head per value head
     q, k = (jnp.repeat(x, group, axis=2) for x in (q, k))
@@ -264,13 +270,13 @@ def kimi_delta_attention(
   if context_axis is not None and backend is Backend.MOSAIC:
     return mosaic.kda_mosaic_context_parallel(
         q, k, v, g, beta, context_axis=context_axis, **kwargs)
-  local_fn = functools.partial(_run, backend)
+  local_fn = functools.partial(_run, backend, **tuning)
   if context_axis is not None:
     return context_parallel.kda_context_parallel(
         q, k, v, g, beta, context_axis=context_axis, local_fn=local_fn,
         chunk_states_every=(chunk_states_every if output_chunk_states
                             else None), **kwargs)
-  out = _run(backend, q, k, v, g, beta, **kwargs)
+  out = local_fn(q, k, v, g, beta, **kwargs)
   if not output_chunk_states:
     return out
   states = context_parallel.chunk_states(
@@ -278,6 +284,84 @@ def kimi_delta_attention(
       local=kwargs, initial_state=initial_state, segment_ids=segment_ids,
       dtype=common.compute_dtype(q, k, v, g, beta, initial_state))
   return out + (states,)
+
+
+def _check_chunk_states(output_chunk_states, every, backend, *, t_local,
+                        context_axis) -> None:
+  """ValueError / NotImplementedError for a chunk-state request."""
+  if not isinstance(output_chunk_states, bool):
+    raise ValueError(f"output_chunk_states must be a bool; got"
+                     f" {output_chunk_states!r}.")
+  if not output_chunk_states:
+    return
+  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    raise ValueError(f"chunk_states_every must be an int >= 1; got"
+                     f" {every!r}.")
+  if context_axis is not None and t_local % every:
+    raise ValueError(
+        f"chunk_states_every ({every}) must divide each rank's sequence"
+        f" length under context_axis; got T_local = {t_local}.")
+  if backend is Backend.MOSAIC:
+    raise NotImplementedError(
+        "output_chunk_states is implemented on the 'reference' and"
+        " 'chunked' backends, not 'mosaic' (tokamax's kernel returns no"
+        " intermediate states).")
+
+
+def _tuning(backend: Backend, chunk_size, group_width) -> dict:
+  """The chunked backend's schedule arguments, checked; {} for the others."""
+  if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be None or one of {CHUNK_SIZES};"
+                     f" got {chunk_size!r}.")
+  if group_width is not None and (isinstance(group_width, bool) or not
+                                  isinstance(group_width, int)
+                                  or group_width < 1):
+    raise ValueError(
+        f"group_width must be None or an int >= 1; got {group_width!r}.")
+  if backend is Backend.MOSAIC and chunk_size not in (None, mosaic.CHUNK):
+    raise NotImplementedError(
+        f"backend='mosaic' runs tokamax's kernel on {mosaic.CHUNK}-token"
+        f" chunks; got chunk_size={chunk_size}.")
+  if backend is not Backend.CHUNKED:
+    return {}
+  return dict(chunk_size=chunk_size, group_width=group_width)
+
+
+def resolved_backend(backend: "str | Backend" = "auto", *,
+                     device_kind: str | None = None) -> str:
+  """The backend `kimi_delta_attention(..., backend=backend)` runs, by name.
+
+  For a call that does not continue a state (never "auto"), on this host,
+  on the target of `mosaic.lowering_mode` in context, or on `device_kind`
+  (e.g. "TPU v6 lite"): what experiments record and report.
+  """
+  return backends.resolve(backend, device_kind=device_kind).value
+
+
+def may_run_mosaic(backend: "str | Backend") -> bool:
+  """Whether a program built with `backend` may run tokamax's Pallas kernel.
+
+  "mosaic", and "auto" (Mosaic on the TPU v6+ the program is compiled for,
+  which may be another machine: `mosaic.lowering_mode`). Such a program is
+  traced without shard_map's `check_vma`, which the kernel does not support.
+  """
+  return Backend.parse(backend) in (Backend.MOSAIC, Backend.AUTO)
+
+
+def host_context(backend: "str | Backend"):
+  """What running `backend` on this host needs, as a context manager.
+
+  Pallas interpret mode (`mosaic.interpret_mode`: seconds per call, tiny
+  shapes only) when it resolves to "mosaic" and the host is not a TPU;
+  nothing otherwise.
+  """
+  if (resolved_backend(backend) == Backend.MOSAIC.value
+      and jax.default_backend() != "tpu"):
+    logging.info(
+        "KDA backend is mosaic and the default device is %s, not a TPU:"
+        " running in Pallas interpret mode (slow).", jax.default_backend())
+    return mosaic.interpret_mode()
+  return contextlib.nullcontext()
 
 
 def _run(backend: Backend, q, k, v, g, beta, **kwargs):

@@ -87,11 +87,22 @@ def prepare(
   else:
     initial_state = jnp.asarray(initial_state, dtype)
     if not has_segments:
-      initial_state = initial_state[:, None]
+      initial_state = with_segment_axis(initial_state)
   return Canonical(
       q=q, k=k, v=jnp.asarray(v, dtype), g=g,
       beta=jnp.asarray(beta, dtype), segment_ids=segment_ids,
       initial_state=initial_state, has_segments=has_segments)
+
+
+def with_segment_axis(state):
+  """[B, H, K, V] -> [B, 1, H, K, V]: one sequence is one segment; None
+  stays None (every backend's per-segment code takes states this way)."""
+  return None if state is None else state[:, None]
+
+
+def without_segment_axis(state):
+  """[B, 1, H, K, V] -> [B, H, K, V], the inverse of `with_segment_axis`."""
+  return None if state is None else state[:, 0]
 
 
 def finish(o, final_state, *, dtype, has_segments, output_final_state):
@@ -100,7 +111,7 @@ def finish(o, final_state, *, dtype, has_segments, output_final_state):
   if not output_final_state:
     return o, None
   if not has_segments:
-    final_state = final_state[:, 0]
+    final_state = without_segment_axis(final_state)
   return o, final_state
 
 

@@ -285,7 +285,6 @@ def kda_context_parallel(
     (o [B, T_local, H, V], final_state or None), like the op; with
     `chunk_states_every`, (o, final_state or None, [B, T_local / C, H, K, V]).
   """
-  num_ranks = axes.axis_size(context_axis)
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   dtype = common.compute_dtype(q, k, v, g, beta, initial_state)
@@ -296,15 +295,9 @@ def kda_context_parallel(
   has_valid = valid.any(axis=1)
 
   # Local labels: the shard's first run gets its own slot (the last one).
-  if initial_state is None and not output_final_state:
-    user_init = None
-  elif initial_state is None:
-    n_user = max_num_segments if has_segments else 1
-    user_init = jnp.zeros((b, n_user, h, kd, vd), dtype)
-  else:
-    user_init = jnp.asarray(initial_state, dtype)
-    if not has_segments:
-      user_init = user_init[:, None]
+  user_init = _user_init(initial_state, output_final_state,
+                         (b, max_num_segments if has_segments else 1, h, kd,
+                          vd), dtype, has_segments=has_segments)
   labels, base = local_labels(ids, user_init, (h, kd, vd), dtype)
   n_user = base.shape[1]
   n_slots = n_user + 1
@@ -330,18 +323,9 @@ def kda_context_parallel(
   meta_all = jax.lax.all_gather(meta, context_axis)  # [R, B, 3]
 
   # 3. Compose over the ranks before this one.
-  rank = jax.lax.axis_index(context_axis)
-  carry = jnp.zeros((b, h, kd, vd), dtype)
-  carry_id = jnp.zeros((b,), jnp.int32)
-  x_in, id_in = carry, carry_id
-  for j in range(num_ranks - 1):
-    first_j, last_j, has_j = (meta_all[j, :, i] for i in range(3))
-    carry, carry_id, _ = compose(
-        carry, carry_id, trans_all[j], offset_all[j], first_j, last_j,
-        has_j.astype(bool), init_of)
-    after_j = rank == j + 1
-    x_in = jnp.where(after_j, carry, x_in)
-    id_in = jnp.where(after_j, carry_id, id_in)
+  x_in, id_in = _incoming(trans_all, offset_all, meta_all, init_of,
+                          context_axis=context_axis, shape=(b, h, kd, vd),
+                          dtype=dtype)
 
   boundary = None
   if chunk_states_every is not None:
@@ -362,6 +346,56 @@ def kda_context_parallel(
     return (o, None) + extra
 
   # 5. Final state of segment n from the last rank that holds a token of n.
+  final = _global_finals(ids, labels, first_id, base, end2, user_init,
+                         context_axis=context_axis)
+  if not has_segments:
+    final = common.without_segment_axis(final)
+  return (o, final) + extra
+
+
+def _user_init(initial_state, output_final_state, shape, dtype, *,
+               has_segments):
+  """The user's initial states with a segment axis [B, N, H, K, V].
+
+  Zeros when only a final state is asked for; None when neither is.
+  """
+  if initial_state is None:
+    return jnp.zeros(shape, dtype) if output_final_state else None
+  init = jnp.asarray(initial_state, dtype)
+  return init if has_segments else common.with_segment_axis(init)
+
+
+def _incoming(trans_all, offset_all, meta_all, init_of, *, context_axis,
+              shape, dtype):
+  """(state, segment id) entering this rank: the ranks before it composed.
+
+  `meta_all` [R, B, 3] holds each rank's (first id, last id, has a token).
+  """
+  rank = jax.lax.axis_index(context_axis)
+  carry = jnp.zeros(shape, dtype)
+  carry_id = jnp.zeros(shape[:1], jnp.int32)
+  x_in, id_in = carry, carry_id
+  for j in range(axes.axis_size(context_axis) - 1):
+    first_j, last_j, has_j = (meta_all[j, :, i] for i in range(3))
+    carry, carry_id, _ = compose(
+        carry, carry_id, trans_all[j], offset_all[j], first_j, last_j,
+        has_j.astype(bool), init_of)
+    after_j = rank == j + 1
+    x_in = jnp.where(after_j, carry, x_in)
+    id_in = jnp.where(after_j, carry_id, id_in)
+  return x_in, id_in
+
+
+def _global_finals(ids, labels, first_id, base, end2, user_init, *,
+                   context_axis):
+  """[B, N, H, K, V]: segment n's final state, from the last rank holding n.
+
+  `end2` is this rank's local pass's final states (the user's N slots, then
+  the slot of the rank's first run); segments on no rank keep `user_init`.
+  """
+  n_user = base.shape[1]
+  num_ranks = axes.axis_size(context_axis)
+  rank = jax.lax.axis_index(context_axis)
   seg = jnp.arange(1, n_user + 1, dtype=jnp.int32)[None, :, None]
   present = jnp.any(ids[:, None, :] == seg, axis=-1)  # [B, N]
   later_run = jnp.any(labels[:, None, :] == seg, axis=-1)  # outside run 1
@@ -376,7 +410,4 @@ def kda_context_parallel(
   # A psum (not the all-gathered `present_all`) so that `final` is typed
   # mesh-invariant, as out_specs=P() asks under check_vma=True.
   anywhere = jax.lax.psum(present.astype(jnp.int32), context_axis) > 0
-  final = final + jnp.where(_bmask(anywhere, base), 0.0, user_init)
-  if not has_segments:
-    final = final[:, 0]
-  return (o, final) + extra
+  return final + jnp.where(_bmask(anywhere, base), 0.0, user_init)

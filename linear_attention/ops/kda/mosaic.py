@@ -26,7 +26,12 @@ segment's final state is its last run's, and the outputs go back to the
 input order. Without states any layout runs; with states the kernel holds
 one per run in max_num_segments slots, so a segment id that comes back
 after another segment (more runs than slots) raises NotImplementedError
-(NaN rows when segment_ids are traced and cannot be checked).
+(NaN rows when segment_ids are traced and cannot be checked). Under
+`context_axis` (tokamax's context-parallel kernel, no states) every token
+is labelled with the global index of its run (`_global_runs`: one
+all-gather of two ints a row per rank), padding joining the run before it
+as a no-op token, so any layout runs there too; a rank holding more runs
+than max_num_segments (default T_local) gets NaN rows.
 
 With packed segments, tokamax 0.0.17's backward returns NaN gradients at
 padding positions (segment id 0), for the initial states of segments that
@@ -51,6 +56,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from linear_attention.ops import backends
+from linear_attention.ops.kda import common
 from linear_attention.ops.kda import gates
 
 MAX_KEY_DIM = 256
@@ -334,8 +340,9 @@ def kda_mosaic(
   if segment_ids is None:
     o, final_state = call(
         *xs, segment_ids=None, max_num_segments=None,
-        initial_state=None if initial_state is None else initial_state[:, None])
-    return o, (final_state[:, 0].astype(jnp.float32) if output_final_state
+        initial_state=common.with_segment_axis(initial_state))
+    final_state = common.without_segment_axis(final_state)
+    return o, (final_state.astype(jnp.float32) if output_final_state
                else None)
   if use_gate_in_kernel:
     # tokamax 0.0.17's fused gate returns NaN da_log and ddt_bias with
@@ -407,21 +414,69 @@ def kda_mosaic_context_parallel(
   _check_supported(
       q, v, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
       segment_ids=segment_ids)
-  if segment_ids is None:
-    # tokamax's CP kernel takes only packed rows: one document per row (the
-    # rank-local slice of a global row of ones) is the unpacked sequence.
-    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-    max_num_segments = 1
-  if max_num_segments is None:
-    max_num_segments = q.shape[1]
   metadata = cp_utils.ContextParallelMetadata(
       jax.sharding.get_abstract_mesh(), context_axis)
   dtype = q.dtype
-  q, k, v, g, beta = _detach_padding(
-      segment_ids, tuple(x.astype(dtype) for x in (q, k, v, g, beta)))
-  o, _ = _call_tokamax(
-      q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, segment_ids=segment_ids,
-      scale=scale, use_qk_l2norm=use_qk_l2norm,
-      use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-      max_num_segments=max_num_segments, context_parallel_metadata=metadata)
-  return o, None
+  xs = tuple(x.astype(dtype) for x in (q, k, v, g, beta))
+  call = functools.partial(
+      _call_tokamax, scale=scale, use_qk_l2norm=use_qk_l2norm,
+      context_parallel_metadata=metadata)
+  if segment_ids is None:
+    # tokamax's CP kernel takes only packed rows: one document per row (the
+    # rank-local slice of a global row of ones) is the unpacked sequence.
+    o, _ = call(*xs, a_log=a_log, dt_bias=dt_bias,
+                segment_ids=jnp.ones(q.shape[:2], jnp.int32),
+                use_gate_in_kernel=use_gate_in_kernel,
+                lower_bound=lower_bound, max_num_segments=1)
+    return o, None
+  if use_gate_in_kernel:  # padding's decay must be exactly 0 (below)
+    xs = xs[:3] + (gates.kda_log_decay(
+        g, a_log, dt_bias, lower_bound, dtype=jnp.float32).astype(dtype),
+                   xs[4])
+  labels = _global_runs(segment_ids, context_axis)
+  valid = segment_ids > 0
+  # Padding joins the run before it as a no-op token: no write (k, v, beta
+  # 0), no decay (g 0), its output dropped; so no cotangent reaches it.
+  xs = tuple(jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x,
+                       jnp.zeros_like(x)) for x in xs)
+  slots = q.shape[1] if max_num_segments is None else max_num_segments
+  o, _ = call(*xs, a_log=None, dt_bias=None, segment_ids=labels,
+              use_gate_in_kernel=False, lower_bound=None,
+              max_num_segments=slots)
+  o = jnp.where(valid[..., None, None], o, 0.0)
+  # More runs on this rank than the kernel's slots: not computable here.
+  too_many = labels[:, -1] - labels[:, 0] + 1 > slots
+  return jnp.where(too_many[:, None, None, None], jnp.nan, o), None
+
+
+def _global_runs(segment_ids, context_axis):
+  """[B, T_local] ids -> labels 1, 2, .. of the global runs, on every token.
+
+  tokamax's context-parallel kernel starts a segment wherever the id
+  changes, padding included, and continues one across ranks when a rank's
+  first id equals the previous rank's last. The op's runs (`common`: a run
+  continues through padding) map onto that by labelling each run with its
+  global index, counted over the ranks before this one, and padding with
+  the label of the run before it (the first run's before any).
+  """
+  b, t = segment_ids.shape
+  valid = segment_ids > 0
+  pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+  last_valid = jax.lax.cummax(jnp.where(valid, pos, -1), axis=1)
+  filled = jnp.where(last_valid >= 0, jnp.take_along_axis(
+      segment_ids, jnp.maximum(last_valid, 0), axis=1), 0)  # forward fill
+  # The id of the last valid token before this rank (0: none).
+  ids_all = jax.lax.all_gather(filled[:, -1], context_axis)  # [R, B]
+  rank = jax.lax.axis_index(context_axis)
+  incoming = jnp.zeros((b,), segment_ids.dtype)
+  for j in range(ids_all.shape[0] - 1):
+    incoming = jnp.where((rank > j) & (ids_all[j] > 0), ids_all[j], incoming)
+  before_here = jnp.pad(filled[:, :-1], ((0, 0), (1, 0)))
+  previous = jnp.where(before_here > 0, before_here, incoming[:, None])
+  starts = valid & (segment_ids != previous)
+  counts = jax.lax.all_gather(jnp.sum(starts, axis=1, dtype=jnp.int32),
+                              context_axis)  # [R, B]
+  before = jnp.sum(jnp.where((jnp.arange(counts.shape[0]) < rank)[:, None],
+                             counts, 0), axis=0)  # [B]
+  return jnp.maximum(
+      before[:, None] + jnp.cumsum(starts, axis=1, dtype=jnp.int32), 1)

@@ -18,21 +18,20 @@ decays and scores, the UT transform, affine state maps), `grouped.py` (the
 dense schedule), `segmented.py` (the packed-segment schedule); this file is
 the entry point. `ops/kda/chunked_naive.py` is the same algebra on one page.
 
-Schedule (`grouped.grouped_core`, inputs without segments). A `lax.scan` over groups
+Schedule (`grouped.dense_core`, inputs without segments). A `lax.scan` over groups
 of chunks (about 1024 tokens x heads at K = 64) carries the state: inside a
 step the group's intra-chunk work is batched (scores, solve, UT transform),
 the group's chunks update the state one after another (two matmuls each: W X,
 then the update above), and the outputs of the whole group are read in one
 batched pass. Every intermediate stays in cache; a whole-sequence pass makes
-each one a DRAM round trip (on the 2-core dev machine, memory past the 32 MiB
-L3 streams at ~3 GiB/s). The step is `jax.checkpoint`ed, so the backward
+each one a DRAM round trip (measured in docs/performance.md). The step is `jax.checkpoint`ed, so the backward
 recomputes a group from its inputs and state instead of storing [.., C, C]
 residuals. With segments, a chunk's state update is its affine map X_next =
 T_c X + R_c with T_c = Diag(exp(G_C)) - (exp(G_C - G) K)^T W and R_c =
 (exp(G_C - G) K)^T U (a segment start resets the state between them), run
-group by group in the same checkpointed scan (`segmented.grouped_core`);
+group by group in the same checkpointed scan (`segmented.packed_core`);
 only when final states are asked for do the pieces run over all chunks at
-once with the maps scanned (`segmented.chunked_core`: the per-segment final
+once with the maps scanned (`segmented.packed_core_with_finals`: the per-segment final
 states read the carried state of any chunk, at the price of memory that
 grows with chunks x state).
 
@@ -82,33 +81,42 @@ SUB = intra.SUB
 block_size = intra.block_size
 group_size = grouped.group_size
 
+CHUNK_SIZES = (16, 64)  # the chunk sizes the tests cover
+
+
 def kda_chunked(
     q, k, v, g, beta, *, scale, a_log=None, dt_bias=None, lower_bound=None,
     use_gate_in_kernel=False, use_qk_l2norm=False, initial_state=None,
     output_final_state=False, segment_ids=None, max_num_segments=None,
+    chunk_size=None, group_width=None,
 ):
-  """See `linear_attention.ops.kimi_delta_attention` for the arguments."""
+  """See `linear_attention.ops.kimi_delta_attention` for the arguments.
+
+  `chunk_size` (one of `CHUNK_SIZES`) defaults to the platform's
+  (`backends.chunk_size`), `group_width` to `grouped.GROUP_WIDTH`.
+  """
   dtype = common.compute_dtype(q, k, v, g, beta, initial_state)
   prep = functools.partial(
       common.prepare, scale=scale, a_log=a_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
       use_qk_l2norm=use_qk_l2norm, max_num_segments=max_num_segments,
       dtype=dtype)
-  chunk = backends.chunk_size()
-  block = intra.block_size(lower_bound, use_gate_in_kernel, chunk)
+  chunk = backends.chunk_size() if chunk_size is None else chunk_size
+  tiling = intra.Tiling(
+      chunk, *intra.block_size(lower_bound, use_gate_in_kernel, chunk),
+      group_width=grouped.GROUP_WIDTH if group_width is None else group_width)
   has_segments = segment_ids is not None
   if has_segments:
     cn = prep(q, k, v, g, beta, initial_state=initial_state,
               segment_ids=segment_ids)
     if output_final_state:
-      o, final = segmented.chunked_core(
+      o, final = segmented.packed_core_with_finals(
           cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
-          init_given=initial_state is not None,
-          output_final_state=True, block=block, chunk=chunk)
+          init_given=initial_state is not None, tiling=tiling)
     else:
-      o = segmented.grouped_core(
+      o = segmented.packed_core(
           cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
-          init_given=initial_state is not None, block=block, chunk=chunk)
+          init_given=initial_state is not None, tiling=tiling)
       final = cn.initial_state
   else:
     b, _, h, kd = q.shape
@@ -116,7 +124,7 @@ def kda_chunked(
             if initial_state is None else jnp.asarray(initial_state, dtype))
     # Tokens are prepared group by group, inside the grouped scan.
     per_token = functools.partial(prep, initial_state=None, segment_ids=None)
-    o, final = grouped.grouped_core(q, k, v, g, beta, init, prep=per_token,
-                             block=block, chunk=chunk)
+    o, final = grouped.dense_core(q, k, v, g, beta, init, prep=per_token,
+                                  tiling=tiling)
   return common.finish(o, final, dtype=q.dtype, has_segments=has_segments,
                        output_final_state=output_final_state)

@@ -13,7 +13,7 @@ from linear_attention.ops.kda.chunked import linalg
 
 # Chunk-heads x K per step of the grouped scan, in 64-token chunks: 16 chunks
 # of K = 64 (1024 tokens x heads), a working set of a few MiB that stays in
-# cache (see `grouped_core`); smaller chunks take as many tokens a step.
+# cache (see `dense_core`); smaller chunks take as many tokens a step.
 GROUP_WIDTH = 16 * 64
 # A group's chunks are unrolled in the scan step: compile time grows with
 # their number (at B * H = 1, K = 32 on 16-token chunks the width above asks
@@ -22,24 +22,26 @@ GROUP_WIDTH = 16 * 64
 MAX_GROUP_CHUNKS = 16
 
 
-def group_size(num_chunks, batch_heads, head_dim, chunk=64):
+def group_size(num_chunks, batch_heads, head_dim, chunk=64,
+               width=GROUP_WIDTH):
   """(chunks per group, groups) of the grouped scan; groups * size >= chunks.
 
-  About 1024 tokens x heads at K = 64 per group (16 chunk-heads of 64
-  tokens; fewer when K is larger), at most `MAX_GROUP_CHUNKS` chunks, sized
-  so that padding the last group wastes less than one chunk per group.
+  About `width` / 64 64-token chunk-heads at K = 64 per group (default
+  1024 tokens x heads; fewer when K is larger), at most `MAX_GROUP_CHUNKS`
+  chunks, sized so that padding the last group wastes less than one chunk
+  per group.
   """
-  width = GROUP_WIDTH * 64 // chunk  # the same tokens per step at any chunk
+  width = width * 64 // chunk  # the same tokens per step at any chunk
   size = max(1, min(num_chunks, MAX_GROUP_CHUNKS,
                     width // (batch_heads * head_dim)))
   groups = -(-num_chunks // size)
   return -(-num_chunks // groups), groups
 
 
-def grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
+def dense_core(q, k, v, g, beta, init, *, prep, tiling):
   """Raw inputs without segments -> (o [B,T,H,V], finals [B,1,H,K,V]).
 
-  The same chunk math as `segmented.chunked_core`, computed group by group: a
+  The chunk math of `chunked/__init__.py`, computed group by group: a
   `lax.scan` over groups of `group_size` chunks (all heads and rows of the
   batch) carries the state [B * H, K, V] (`init` [B, H, K, V] in the compute dtype).
   Inside a step, the group's tokens are prepared (`prep`: `common.prepare`
@@ -54,9 +56,8 @@ def grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
   """
   b, t, h, kd = q.shape
   vd = v.shape[-1]
-  c = chunk
-  sub, bounded = block
-  gs, ng = group_size(-(-t // c), b * h, kd, c)
+  c = tiling.chunk
+  gs, ng = group_size(-(-t // c), b * h, kd, c, tiling.group_width)
   span = gs * c
   pad = ng * span - t
   if pad:  # padding writes nothing (k, v, beta = 0); its g is zeroed below
@@ -79,7 +80,8 @@ def grouped_core(q, k, v, g, beta, init, *, prep, block, chunk):
       gg = jnp.where(real[None, :, None, None], gg, 0.0)
     qc, kc, vc, gc = map(chunks, (qg, kg, vg, gg))
     bc = chunks(bg[..., None])[..., 0]
-    dec = intra.intra_chunk(qc, kc, gc, None, None, False, bounded, sub)
+    dec = intra.intra_chunk(qc, kc, gc, sub=tiling.sub,
+                            bounded=tiling.bounded)
     wu, q_dec = intra.ut_transform(qc, kc, vc, bc, dec)
     w, u = wu[..., :kd], wu[..., kd:]
     k_end = linalg.transposed(kc * dec.to_end)  # [GS, B * H, K, C]

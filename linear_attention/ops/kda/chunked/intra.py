@@ -20,6 +20,15 @@ SUB = linalg.SUB  # block size when the decays are unbounded
 FACTOR_LIMIT = 80.0
 
 
+class Tiling(NamedTuple):
+  """How the chunked form cuts a sequence (static; `chunked.kda_chunked`)."""
+
+  chunk: int  # C tokens per chunk
+  sub: int  # S tokens per block inside a chunk (`block_size`)
+  bounded: bool  # a lower-bound gate keeps S * |g| <= 80 (`block_size`)
+  group_width: int  # chunk-heads x K per grouped-scan step (`group_size`)
+
+
 def block_size(lower_bound, use_gate_in_kernel,
                chunk=64) -> tuple[int, bool]:
   """(block size, bounded): the largest block the exp split is safe over.
@@ -50,7 +59,7 @@ class ChunkDecays(NamedTuple):
   G: jax.Array | None  # [..., C, K] run-restarting cumulative decay (segments)
 
 
-def intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
+def intra_chunk(q, k, g, *, sub, bounded, run=None, starts=None):
   """Decays and masked score matrices for all chunks at once.
 
   Cut each chunk into NB = C / S blocks (S = `sub`). With incl[i] the sum of
@@ -75,109 +84,152 @@ def intra_chunk(q, k, g, run, starts, segmented, bounded, sub):
 
   Args:
     q, k, g: [..., C, K] (q scaled); g the log decay (<= 0).
-    run: [..., C] run index per token (segmented only).
-    starts: [..., C] bool, token starts a run (segmented only).
-    segmented: static; False means one run per chunk.
-    bounded: static; True when a lower-bound gate keeps sub * |g| <= 80.
     sub: static block size (see `block_size`).
+    bounded: static; True when a lower-bound gate keeps sub * |g| <= 80.
+    run: [..., C] run index per token with packed segments; None: one run
+      per chunk.
+    starts: [..., C] bool, token starts a run (with `run`).
 
   Returns:
     ChunkDecays.
   """
-  c, kd = k.shape[-2:]
-  nb = c // sub
-  batch = g.shape[:-2]
-  blocks = lambda x: x.reshape(batch + (nb, sub, x.shape[-1]))
   incl = linalg.range_sums(g, sub, lambda i, j: j <= i)  # [..., C, K]
   after = linalg.range_sums(g, sub, lambda i, j: j > i)
   tot = incl[..., sub - 1::sub, :]  # [..., NB, K] whole-block sums
-
-  # Centred factors: rows exp(incl - half), diagonal-block columns
-  # exp(half - incl), half = tot / 2 the middle of the block's range, so both
-  # stay within exp(+-40) and a small q or k entry times its factor stays a
-  # normal float (XLA:CPU flushes subnormals to zero; uncentred, exp(-80)
-  # times an entry below 6.5e-4 is subnormal and the score loses it).
-  # (Blocks spanning more than 80 take the exact branch below; there the
-  # clamp keeps every row factor <= exp(40).)
-  half = jnp.maximum(0.5 * tot, -0.5 * FACTOR_LIMIT)  # [..., NB, K]
-  centred = (blocks(incl) - half[..., None, :]).reshape(incl.shape)
-  row = jnp.exp(centred)
-  rows = jnp.concatenate([blocks(q * row), blocks(k * row)], axis=-2)  # 2S
-  col = jnp.exp(after)
-  if nb > 1:  # columns of earlier blocks, as seen from each row block
-    bi = jnp.arange(nb)
-    between = linalg.block_sums(tot, lambda n, m, l: (m < l) & (l < n))
-    # Row block n's factors carry exp(-half_n): its columns take exp(+half_n)
-    # (an exponent <= 0, like `between`).
-    mid = linalg.exp_masked(between + half[..., :, None, :],
-                            (bi[:, None] > bi[None, :])[..., None])
-    earlier = mid[..., :, :, None, :] * blocks(k * col)[..., None, :, :, :]
-    on_diag = (bi[:, None] == bi[None, :])[:, :, None, None]
-
-  def scores(diag_cols):
-    # cols[n, m]: the columns of block m as seen from the rows of block n
-    cols = diag_cols
-    if nb > 1:
-      cols = jnp.where(on_diag, diag_cols[..., None, :, :, :], earlier)
-    a = linalg.mm_nt(rows, cols.reshape(batch + (nb, c, kd)))  # [..., NB, 2S, C]
-    return (a[..., :sub, :].reshape(batch + (c, c)),
-            a[..., sub:, :].reshape(batch + (c, c)))
-
-  def factored(_):
-    return scores(blocks(k * jnp.exp(-centred)))  # <= exp(40)
-
-  def exact(_):
-    a_qk, a_kk = scores(jnp.zeros(batch + (nb, sub, kd), k.dtype))
-    gb, qb, kb = blocks(g), blocks(q), blocks(k)
-    s = jnp.arange(sub)
-    # pair[s, t] = sum over (t, s] of g: cumsum over u of g_u 1[u > t].
-    after_t = jnp.where((s[None, :] > s[:, None])[..., None],
-                        gb[..., None, :, :], 0.0)  # [..., NB, t, u, K]
-    pair = jnp.swapaxes(jax.lax.cumsum(after_t, axis=after_t.ndim - 2),
-                        -2, -3)
-    decay = linalg.exp_masked(pair, (s[:, None] >= s[None, :])[..., None])
-    d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, decay)
-    d_kk = jnp.einsum("...sk,...tk,...stk->...st", kb, kb, decay)
-    place = lambda a, d: (a.reshape(batch + (nb, sub, nb, sub)) + jnp.where(
-        jnp.eye(nb, dtype=bool)[:, None, :, None], d[..., :, :, None, :],
-        0.0)).reshape(a.shape)
-    return place(a_qk, d_qk), place(a_kk, d_kk)
-
-  if bounded:
-    a_qk, a_kk = factored(None)
-  else:
-    a_qk, a_kk = jax.lax.cond(jnp.min(incl) >= -FACTOR_LIMIT, factored,
-                              exact, None)
+  a_qk, a_kk = _block_scores(q, k, g, incl, after, tot, sub=sub,
+                             bounded=bounded)
+  c = k.shape[-2]
   i = jnp.arange(c)
   lower, strict = i[:, None] >= i[None, :], i[:, None] > i[None, :]
-  if segmented:
+  if run is not None:
     same = run[..., :, None] == run[..., None, :]  # [..., C, C]
     lower, strict = lower & same, strict & same
   a_qk = jnp.where(lower, a_qk, 0.0)
   a_kk = jnp.where(strict, a_kk, 0.0)
-
-  # With one block the whole-block factors below are all exp(0): skipped, so
-  # that the backward does not reduce their zero gradients.
-  to_end = col
-  if nb > 1:
-    suffix = linalg.block_sums(tot, lambda n, m, l: l > n)[..., 0, :]  # [..., NB, K]
-    to_end = (blocks(col) * jnp.exp(suffix)[..., None, :]).reshape(g.shape)
-  if segmented:
-    G = linalg.segmented_cumsum(g, (starts | (jnp.arange(c) == 0))[..., None],
-                          axis=-2)
-    read = jnp.exp(G)
-    total = read[..., -1, :]
-    in_last = (run == run[..., -1:])[..., None]
-    to_end = jnp.where(in_last, to_end, 0.0)
-  else:
-    G = None
-    read = jnp.exp(incl)
-    if nb > 1:
-      prefix = linalg.block_sums(tot, lambda n, m, l: l < n)[..., 0, :]
-      read = (blocks(read) * jnp.exp(prefix)[..., None, :]).reshape(g.shape)
-    total = jnp.exp(jnp.sum(tot, axis=-2))
+  read, to_end, total, G = _decays(g, incl, after, tot, sub=sub, run=run,
+                                   starts=starts)
   return ChunkDecays(read=read, to_end=to_end, total=total, a_kk=a_kk,
                      a_qk=a_qk, G=G)
+
+
+def _blocks(x, sub):
+  """[..., C, X] -> [..., C / sub, sub, X]."""
+  return x.reshape(x.shape[:-2] + (x.shape[-2] // sub, sub, x.shape[-1]))
+
+
+def _block_scores(q, k, g, incl, after, tot, *, sub, bounded):
+  """Unmasked (a_qk, a_kk) [..., C, C], one matmul per row block.
+
+  Centred factors: rows exp(incl - half), diagonal-block columns
+  exp(half - incl), half = tot / 2 the middle of the block's range, so both
+  stay within exp(+-40) and a small q or k entry times its factor stays a
+  normal float (XLA:CPU flushes subnormals to zero; uncentred, exp(-80)
+  times an entry below 6.5e-4 is subnormal and the score loses it). Blocks
+  spanning more than 80 take the exact diagonal (`_exact_diagonal`); there
+  the clamp keeps every row factor <= exp(40).
+  """
+  half = jnp.maximum(0.5 * tot, -0.5 * FACTOR_LIMIT)  # [..., NB, K]
+  centred = (_blocks(incl, sub) - half[..., None, :]).reshape(incl.shape)
+  row = jnp.exp(centred)
+  rows = jnp.concatenate([_blocks(q * row, sub), _blocks(k * row, sub)],
+                         axis=-2)  # [..., NB, 2S, K]
+  earlier = _earlier_columns(k, after, tot, half, sub)
+
+  def factored(_):
+    return _scores(rows, _blocks(k * jnp.exp(-centred), sub), earlier, sub)
+
+  def exact(_):
+    zeros = jnp.zeros(k.shape[:-2] + (k.shape[-2] // sub, sub, k.shape[-1]),
+                      k.dtype)
+    a_qk, a_kk = _scores(rows, zeros, earlier, sub)
+    d_qk, d_kk = _exact_diagonal(q, k, g, sub)
+    return _add_diagonal(a_qk, d_qk, sub), _add_diagonal(a_kk, d_kk, sub)
+
+  if bounded:
+    return factored(None)
+  return jax.lax.cond(jnp.min(incl) >= -FACTOR_LIMIT, factored, exact, None)
+
+
+def _earlier_columns(k, after, tot, half, sub):
+  """[..., NB, NB, S, K]: block m's columns as seen from row block n > m.
+
+  Row block n's factors carry exp(-half_n), so its columns take exp(+half_n)
+  (an exponent <= 0, like the whole blocks between). None for one block.
+  """
+  nb = k.shape[-2] // sub
+  if nb == 1:
+    return None
+  bi = jnp.arange(nb)
+  between = linalg.block_sums(tot, lambda n, m, l: (m < l) & (l < n))
+  mid = linalg.exp_masked(between + half[..., :, None, :],
+                          (bi[:, None] > bi[None, :])[..., None])
+  return (mid[..., :, :, None, :]
+          * _blocks(k * jnp.exp(after), sub)[..., None, :, :, :])
+
+
+def _scores(rows, diag_cols, earlier, sub):
+  """(a_qk, a_kk) from row factors and the diagonal blocks' columns."""
+  nb, kd = diag_cols.shape[-3], diag_cols.shape[-1]
+  batch, c = rows.shape[:-3], nb * sub
+  cols = diag_cols  # cols[n, m]: block m's columns seen from row block n
+  if earlier is not None:
+    bi = jnp.arange(nb)
+    on_diag = (bi[:, None] == bi[None, :])[:, :, None, None]
+    cols = jnp.where(on_diag, diag_cols[..., None, :, :, :], earlier)
+  a = linalg.mm_nt(rows, cols.reshape(batch + (nb, c, kd)))  # [..., NB, 2S, C]
+  return (a[..., :sub, :].reshape(batch + (c, c)),
+          a[..., sub:, :].reshape(batch + (c, c)))
+
+
+def _exact_diagonal(q, k, g, sub):
+  """Diagonal blocks (d_qk, d_kk) [..., NB, S, S] by the masked exponent."""
+  gb, qb, kb = _blocks(g, sub), _blocks(q, sub), _blocks(k, sub)
+  s = jnp.arange(sub)
+  # pair[s, t] = sum over (t, s] of g: cumsum over u of g_u 1[u > t].
+  after_t = jnp.where((s[None, :] > s[:, None])[..., None],
+                      gb[..., None, :, :], 0.0)  # [..., NB, t, u, K]
+  pair = jnp.swapaxes(jax.lax.cumsum(after_t, axis=after_t.ndim - 2),
+                      -2, -3)
+  decay = linalg.exp_masked(pair, (s[:, None] >= s[None, :])[..., None])
+  d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, decay)
+  d_kk = jnp.einsum("...sk,...tk,...stk->...st", kb, kb, decay)
+  return d_qk, d_kk
+
+
+def _add_diagonal(a, d, sub):
+  """a [..., C, C] plus the blocks d [..., NB, S, S] on its diagonal."""
+  nb = d.shape[-3]
+  batch = a.shape[:-2]
+  eye = jnp.eye(nb, dtype=bool)[:, None, :, None]
+  return (a.reshape(batch + (nb, sub, nb, sub))
+          + jnp.where(eye, d[..., :, :, None, :], 0.0)).reshape(a.shape)
+
+
+def _decays(g, incl, after, tot, *, sub, run, starts):
+  """(read, to_end, total, G) of `ChunkDecays` (G None without runs).
+
+  With one block the whole-block factors are all exp(0): skipped, so that
+  the backward does not reduce their zero gradients.
+  """
+  c = g.shape[-2]
+  nb = c // sub
+  to_end = jnp.exp(after)
+  if nb > 1:
+    suffix = linalg.block_sums(tot, lambda n, m, l: l > n)[..., 0, :]
+    to_end = (_blocks(to_end, sub)
+              * jnp.exp(suffix)[..., None, :]).reshape(g.shape)
+  if run is not None:
+    G = linalg.segmented_cumsum(
+        g, (starts | (jnp.arange(c) == 0))[..., None], axis=-2)
+    read = jnp.exp(G)
+    in_last = (run == run[..., -1:])[..., None]
+    return read, jnp.where(in_last, to_end, 0.0), read[..., -1, :], G
+  read = jnp.exp(incl)
+  if nb > 1:
+    prefix = linalg.block_sums(tot, lambda n, m, l: l < n)[..., 0, :]
+    read = (_blocks(read, sub) * jnp.exp(prefix)[..., None, :]).reshape(
+        g.shape)
+  return read, to_end, jnp.exp(jnp.sum(tot, axis=-2)), None
 
 
 def ut_transform(qc, kc, vc, bc, dec):

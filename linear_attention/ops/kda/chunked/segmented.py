@@ -4,10 +4,10 @@ A run of a segment may start anywhere inside a chunk; see
 `chunked/__init__.py` (Packed segments) and `ops/kda/common.py`. Two
 schedules of the same math:
 
-* `grouped_core` (no final states: training): a checkpointed `lax.scan`
-  over groups of chunks, like the dense `grouped.grouped_core`; memory
+* `packed_core` (no final states: training): a checkpointed `lax.scan`
+  over groups of chunks, like the dense `grouped.dense_core`; memory
   grows with T by the carried state per group only;
-* `chunked_core` (with final states): every chunk's intra-chunk work
+* `packed_core_with_finals` (final states): every chunk's intra-chunk work
   batched at once, then the affine state maps scanned; the per-segment
   final states read the carried state of any chunk. Its temporaries grow
   with the number of chunks times the state (5.6 GiB at T=8192, H=32,
@@ -73,8 +73,8 @@ def _chunks(q, k, v, g, beta, segment_ids, nc, c):
   return valid, qkvg, bc, (run_seg, run_index), (run_c, start_c, seg_c, cont)
 
 
-def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
-                  output_final_state, block, chunk):
+def packed_core_with_finals(q, k, v, g, beta, segment_ids, init, *,
+                            init_given, tiling):
   """Canonical inputs with segments -> (o, finals [B,N,H,K,V]).
 
   All chunks at once: the intra-chunk work is batched over every chunk, the
@@ -84,14 +84,14 @@ def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   n_seg = init.shape[1]
-  sub, bounded = block
-  c = chunk
+  c = tiling.chunk
   nc = -(-t // c)
   valid, (qc, kc, vc, gc), bc, (run_seg, run_index), per_chunk = _chunks(
       q, k, v, g, beta, segment_ids, nc, c)
   run_c, start_c, seg_c, cont = per_chunk
 
-  dec = intra.intra_chunk(qc, kc, gc, run_c, start_c, True, bounded, sub)
+  dec = intra.intra_chunk(qc, kc, gc, run=run_c, starts=start_c,
+                          sub=tiling.sub, bounded=tiling.bounded)
   a_qk = dec.a_qk
   w, u, q_dec, trans, bias = intra.affine_maps(qc, kc, vc, bc, dec)
 
@@ -134,19 +134,16 @@ def chunked_core(q, k, v, g, beta, segment_ids, init, *, init_given,
   o = jnp.moveaxis(o, 2, 3).reshape(b, nc * c, h, vd)[:, :t]
   o = jnp.where(valid[..., None, None], o, 0.0)
 
-  finals = init
-  if output_final_state:
-    finals = _segment_finals(
-        init, init0, run_index, run_seg, carried, dec.G, gc, kc, v_new, cont,
-        run_c, init_given, n_seg)
+  finals = _segment_finals(
+      init, init0, run_index, run_seg, carried, dec.G, gc, kc, v_new, cont,
+      run_c, init_given, n_seg)
   return o, finals
 
 
-def grouped_core(q, k, v, g, beta, segment_ids, init, *, init_given,
-                 block, chunk):
+def packed_core(q, k, v, g, beta, segment_ids, init, *, init_given, tiling):
   """Canonical inputs with segments -> o, group by group (no final states).
 
-  The math of `chunked_core`, in a `jax.checkpoint`ed `lax.scan` over
+  The math of `packed_core_with_finals`, in a `jax.checkpoint`ed `lax.scan` over
   groups of `grouped.group_size` chunks carrying the state [B, H, K, V]
   that enters the group: inside a step the group's intra-chunk work is
   batched, its chunks' affine maps applied one after another, and its
@@ -154,9 +151,8 @@ def grouped_core(q, k, v, g, beta, segment_ids, init, *, init_given,
   """
   b, t, h, kd = q.shape
   vd = v.shape[-1]
-  sub, bounded = block
-  c = chunk
-  gs, ng = grouped.group_size(-(-t // c), b * h, kd, c)
+  c = tiling.chunk
+  gs, ng = grouped.group_size(-(-t // c), b * h, kd, c, tiling.group_width)
   nc = gs * ng
   valid, qkvg, bc, _, per_chunk = _chunks(q, k, v, g, beta, segment_ids, nc,
                                           c)
@@ -168,7 +164,8 @@ def grouped_core(q, k, v, g, beta, segment_ids, init, *, init_given,
 
   def step(state, group):
     qg, kg, vg, gg, bg, run_g, start_g, seg_g, cont_g = group
-    dec = intra.intra_chunk(qg, kg, gg, run_g, start_g, True, bounded, sub)
+    dec = intra.intra_chunk(qg, kg, gg, run=run_g, starts=start_g,
+                            sub=tiling.sub, bounded=tiling.bounded)
     w, u, q_dec, trans, bias = intra.affine_maps(qg, kg, vg, bg, dec)
     keep = cont_g[:, :, 0, -1]  # [B, GS]: chunk-end run began earlier
     if init_given:
