@@ -18,7 +18,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q --durations=20 tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=20 tests
 
 experiment: $(STAMP)
 	$(BIN)/python -m experiments.ablate --config=configs/mqar.py --mixers=kda,kda_zeroed --workdir=$(WORKDIR)/mqar_ablation

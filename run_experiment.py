@@ -85,9 +85,8 @@ def main(argv):
   _initialize_distributed()  # before any other JAX call
   train.quiet_orbax_logs()
   logging.info("Config:\n%s", config)
-  with train.backend_context(config):
-    summary = train.train_and_evaluate(config, workdir,
-                                       stop_at_step=_STOP_AT_STEP.value)
+  summary = train.train_and_evaluate(config, workdir,
+                                     stop_at_step=_STOP_AT_STEP.value)
   logging.info("Summary: %s", summary)
 
 

@@ -84,8 +84,7 @@ def run_ablation(config, workdir: str, mixers, seeds, learning_rates):
         name = run_name(mixer, seed, lr)
         logging.info("Ablation run %s: %s", name, diff)
         run_dir = os.path.join(workdir, name)
-        with train.backend_context(cfg):
-          summary = train.train_and_evaluate(cfg, run_dir)
+        summary = train.train_and_evaluate(cfg, run_dir)
         summaries.append(summary)
         evals = [r for r in metrics_lib.read_records(
             os.path.join(run_dir, "metrics.jsonl")) if r["split"] == "eval"]

@@ -6,7 +6,7 @@ import os
 from absl import logging
 import orbax.checkpoint as ocp
 
-from experiments import program as program_lib
+from experiments import distributed
 
 
 class _DropOrbaxInfo(logging_std.Filter):
@@ -28,7 +28,7 @@ def manager(workdir: str, keep_steps=()) -> ocp.CheckpointManager:
   Across processes, orbax's own barrier here is a collective (gloo's, on CPU,
   gives up after 30 seconds); the processes line up before it.
   """
-  program_lib.line_up("checkpoint manager")
+  distributed.line_up("checkpoint manager")
   policy = ocp.checkpoint_managers.AnyPreservationPolicy([
       ocp.checkpoint_managers.LatestN(2),
       ocp.checkpoint_managers.CustomSteps(list(keep_steps))])
@@ -48,6 +48,20 @@ def restore(ckpt: ocp.CheckpointManager, step: int, params, opt_state):
   restored = ckpt.restore(step, args=ocp.args.StandardRestore(
       dict(params=params, opt_state=opt_state)))
   return restored["params"], restored["opt_state"]
+
+
+def latest_params(run_dir: str, params, opt_state):
+  """(params, step) of the run's latest checkpoint, shaped like `params`;
+  ValueError naming the directory when it has none."""
+  ckpt = manager(run_dir)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise ValueError(f"run {run_dir} has no checkpoint.")
+    params, _ = restore(ckpt, step, params, opt_state)
+  finally:
+    ckpt.close()
+  return params, step
 
 
 def restore_latest(ckpt: ocp.CheckpointManager, limit: int, params,

@@ -26,12 +26,14 @@ non-zero (1; 2 for a bad flag) naming the problem when:
 
 How the checks are made, and why:
 
-* Backend resolution. The report's backend is `backends.resolve(...,
-  device_kind=` the kind JAX reports for that chip`)`, the same decision the
+* Backend resolution. The report's backend is the op's answer for the kind
+  JAX reports for that chip (`kda_api.resolved_backend(..., device_kind=)`,
+  i.e. `backends.resolve`), the same decision the
   layers make while traced inside `lowering_mode` (which names the chip as
   the target device). The
   train step has no decode pieces (no cache), so the other fallback of
-  `resolve` (T not a multiple of 64 while decoding) cannot arise in it.
+  `resolve` (a decode piece whose T is not a multiple of 64) cannot arise in
+  it.
 * Fallback detection reads the exported module, the artefact a TPU would run,
   rather than spying on Python calls or on `resolve`'s log (which is logged
   once per process, and nothing records what was resolved). Kernels are
@@ -87,9 +89,11 @@ from jax.experimental.pallas import tpu as pltpu
 from ml_collections import config_flags
 
 from configs import common as config_lib
+from experiments import model as model_lib
 from experiments import program as program_lib
 from experiments import tasks as tasks_lib
 from linear_attention.ops import backends
+from linear_attention.ops.kda import api as kda_api
 from linear_attention.ops.kda import mosaic
 
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
@@ -147,10 +151,10 @@ def chip_generation(chip) -> int:
 
 def target_backend(config, chip) -> str | None:
   """The KDA backend a run of `config` uses on `chip`, or None (no KDA)."""
-  if not program_lib.uses_kda(config):
+  if not model_lib.uses_kda(config.model):
     return None
-  return backends.resolve(config.model.kda.backend,
-                          device_kind=device_kind(chip)).value
+  return kda_api.resolved_backend(config.model.kda.backend,
+                                  device_kind=device_kind(chip))
 
 
 _FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([^\s(]+)\(",
@@ -221,7 +225,7 @@ def _abstract_inputs(config, prog, mesh):
   # `reference` build, which traces on any host (the mosaic kernel traces
   # only inside `lowering_mode`, which allows nothing but lowering).
   shapes = config.copy_and_resolve_references()
-  if program_lib.uses_kda(config):
+  if model_lib.uses_kda(config.model):
     shapes.model.kda.backend = "reference"
   shape_prog = program_lib.build_program(shapes)
   params = jax.eval_shape(shape_prog.init, jax.random.key(config.seed),
@@ -295,7 +299,7 @@ def export_train_step(config, chip) -> Report:
   chip_name = mosaic.chip_version(chip).name
   requested = target = None
   num_kda_layers = 0
-  if program_lib.uses_kda(config):
+  if model_lib.uses_kda(config.model):
     requested = str(config.model.kda.backend)
     target = target_backend(config, chip)
     num_kda_layers = config.model.num_layers

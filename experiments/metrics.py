@@ -13,7 +13,7 @@ from absl import logging
 import numpy as np
 import tensorboardX
 
-from experiments import program as program_lib
+from experiments import distributed
 
 TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
 
@@ -42,7 +42,7 @@ class MetricsLog:
     self.records = []
     if os.path.exists(self.path):
       self.records = read_records(self.path)
-    program_lib.line_up("metrics log read")
+    distributed.line_up("metrics log read")
     kept = [r for r in self.records if r["step"] <= resume_step]
     if len(kept) != len(self.records):
       logging.info("Dropping %d metric records logged after step %d.",

@@ -10,33 +10,27 @@ spans every device of every process; parameters and optimizer state are
 replicated over it (`Program.init`, `Program.init_opt`); every process builds
 the same global batch from the (seed, step) stream and places the blocks its
 own devices hold (`Program.put_batch`), so a run's data and numbers do not
-depend on how many processes run it. Each jitted step compiles ahead of
-its first run on a new input signature, and the processes line up there
-(`line_up`, a barrier of the coordination service): a process that compiled
-faster would otherwise wait inside the step's first collective, whose
-rendezvous (gloo's on CPU) gives up after 30 seconds.
+depend on how many processes run it. The jitted steps compile ahead and line
+the processes up (`experiments.distributed`).
 """
 
 import collections
-import contextlib
 import copy
 import dataclasses
 import math
 from typing import Any
 
-from absl import logging
 import chex
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from orbax.checkpoint import multihost
 
+from experiments import distributed
 from experiments import model as model_lib
 from experiments import tasks as tasks_lib
-from linear_attention.ops import backends
-from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import api as kda_api
 from linear_attention.parallel import train as parallel_train
 
 
@@ -109,7 +103,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise NotImplementedError(
           "model.mixer='attention' (the softmax baseline) has no context"
           " parallelism; use mesh.context=1 for it.")
-    if uses_kda(config) and config.model.kda.context_axis is not None:
+    if model_lib.uses_kda(config.model) and config.model.kda.context_axis is not None:
       raise ValueError(
           "model.kda.context_axis must be None: mesh.context sets it; got"
           f" {config.model.kda.context_axis!r}.")
@@ -186,32 +180,6 @@ def make_mesh(config) -> jax.sharding.Mesh | None:
   return jax.sharding.Mesh(devices, ("data", "context"))
 
 
-def uses_kda(config) -> bool:
-  return config.model.mixer in model_lib.KDA_MIXERS
-
-
-def kda_backend(config) -> str | None:
-  """The KDA backend this run uses (resolved: never "auto"), or None."""
-  if not uses_kda(config):
-    return None
-  return backends.resolve(config.model.kda.backend).value
-
-
-def backend_context(config):
-  """Mosaic interpret mode when the config asks for Mosaic off-TPU.
-
-  The real tokamax Pallas kernel then runs in Pallas interpret mode (seconds
-  per call: keep shapes tiny); on a TPU the kernel runs natively.
-  """
-  if kda_backend(config) == "mosaic" and jax.default_backend() != "tpu":
-    logging.info(
-        "KDA backend is mosaic and the default device is %s, not a TPU: "
-        "running inside linear_attention.ops.kda.mosaic.interpret_mode() "
-        "(Pallas interpret mode, slow).", jax.default_backend())
-    return mosaic.interpret_mode()
-  return contextlib.nullcontext()
-
-
 SCHEDULES = ("cosine", "constant", "wsd")
 
 
@@ -264,59 +232,6 @@ def masked_sums(logits, targets, mask):
   return (nll * mask).sum(), mask.sum(), (correct * mask).sum()
 
 
-# How long a process waits at a line-up for the others (compiling a large
-# step on a loaded host takes minutes; a process that died fails the barrier
-# through the coordination service's heartbeat well before this).
-LINE_UP_TIMEOUT_S = 3600
-_line_ups = collections.Counter()
-
-
-def line_up(name: str) -> None:
-  """Waits until every process reaches this point (no-op in one process).
-
-  A barrier of `jax.distributed`'s coordination service (through orbax's
-  `get_barrier_sync_fn`), not a collective: it has its own timeout,
-  `LINE_UP_TIMEOUT_S`. Every process must call it with the same names in
-  the same order; the n-th call with a name is its own barrier.
-  """
-  if jax.process_count() == 1:
-    return
-  _line_ups[name] += 1
-  key = f"{name}/{_line_ups[name]}"
-  logging.info("Waiting for all %d processes at %s.", jax.process_count(),
-               key)
-  multihost.get_barrier_sync_fn()(key=key, timeout_ms=LINE_UP_TIMEOUT_S * 1000)
-
-
-class _LinedUp:
-  """A jitted function that, across processes, compiles before it runs.
-
-  On each new input signature (shapes, dtypes, shardings) it compiles
-  ahead (`lower(...).compile()`), lines the processes up, and then runs the
-  compiled step; traced calls (inside another jit or `eval_shape`) go to
-  the jitted function.
-  """
-
-  def __init__(self, name: str, fn):
-    self.name, self.fn, self.compiled = name, fn, {}
-
-  def __call__(self, *args):
-    leaves, treedef = jax.tree.flatten(args)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
-      return self.fn(*args)
-    signature = (treedef, tuple((np.shape(x), x.dtype,
-                                 getattr(x, "sharding", None))
-                                for x in leaves))
-    if signature not in self.compiled:
-      self.compiled[signature] = self.fn.lower(*args).compile()
-      line_up(f"compiled {self.name}")
-    return self.compiled[signature](*args)
-
-
-def _lined_up(name: str, fn):
-  return _LinedUp(name, fn) if jax.process_count() > 1 else fn
-
-
 @dataclasses.dataclass(frozen=True)
 class Program:
   """What a config compiles to: task, model, optimiser and jitted steps."""
@@ -343,7 +258,6 @@ def build_program(config) -> Program:
   key = config.to_json_best_effort(sort_keys=True)
   if key in _PROGRAMS:
     return _PROGRAMS[key]
-  tr = config.train
   task = tasks_lib.make_task(**config.task.to_dict())
   mesh = make_mesh(config)
   model_config = config.model
@@ -351,19 +265,42 @@ def build_program(config) -> Program:
   if context > 1:
     _check("task.seq_len", task.seq_len % context == 0,
            f"a multiple of mesh.context ({context})", task.seq_len)
-    if uses_kda(config):  # the layer runs KDA and its conv across ranks
+    if model_lib.uses_kda(config.model):  # KDA and its conv across ranks
       model_config = copy.deepcopy(config.model)
       model_config.kda.context_axis = "context"
   model = model_lib.make_model(model_config, task.vocab_size)
   # Parameters do not depend on the mesh: initialise them outside it.
   init_model = (model if model_config is config.model else
                 model_lib.make_model(config.model, task.vocab_size))
-  optimizer, schedule = make_optimizer(tr)
-  b, t, v = tr.batch_size, task.seq_len, task.vocab_size
+  optimizer, schedule = make_optimizer(config.train)
+  loss_fn = _loss_fn(config, model, mesh, task.vocab_size)
+  shapes = {(config.train.batch_size, task.seq_len)} | {
+      (sb, st) for _, sb, st in curriculum_shapes(config)}
+  replicated = None
+  if mesh is not None:
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  prog = Program(
+      task=task, model=model, optimizer=optimizer, schedule=schedule,
+      train_step=distributed.lined_up(
+          "train_step", _train_step(loss_fn, optimizer, shapes)),
+      eval_step=distributed.lined_up("eval_step", jax.jit(loss_fn)),
+      init=distributed.lined_up("init", jax.jit(init_model.init,
+                                                out_shardings=replicated)),
+      init_opt=distributed.lined_up("init_opt", jax.jit(
+          optimizer.init, out_shardings=replicated)),
+      put_batch=_put_batch(mesh))
+  _PROGRAMS[key] = prog
+  while len(_PROGRAMS) > _MAX_PROGRAMS:
+    _PROGRAMS.popitem(last=False)
+  return prog
+
+
+def _loss_fn(config, model, mesh, vocab_size):
+  """(params, batch) -> (mean loss, accuracy) over the scored positions."""
 
   def sums_fn(params, batch):  # on one shard of the mesh, or on everything
-    logits = model.apply(params, batch["inputs"])
-    chex.assert_shape(logits, (*batch["inputs"].shape, v))
+    logits = model.apply(params, batch["inputs"], batch.get("segment_ids"))
+    chex.assert_shape(logits, (*batch["inputs"].shape, vocab_size))
     return masked_sums(logits, batch["targets"], batch["mask"])
 
   if mesh is None:
@@ -371,17 +308,17 @@ def build_program(config) -> Program:
       nll, count, correct = sums_fn(params, batch)
       denom = jnp.maximum(count, 1.0)
       return nll / denom, correct / denom
-  else:
-    # tokamax's Pallas kernels do not trace under shard_map's check_vma;
-    # "auto" may pick them where the step is traced (a TPU, or a TPU
-    # targeted from another host: mosaic.lowering_mode).
-    may_run_mosaic = uses_kda(config) and (
-        kda_backend(config) == "mosaic" or config.model.kda.backend == "auto")
-    loss_fn = parallel_train.shard_loss_fn(
-        sums_fn, mesh, "data", "context" if context > 1 else None,
-        has_aux=True, check_vma=not may_run_mosaic)
+    return loss_fn
+  # tokamax's Pallas kernels do not trace under shard_map's check_vma.
+  may_run_mosaic = model_lib.uses_kda(config.model) and (
+      kda_api.may_run_mosaic(config.model.kda.backend))
+  return parallel_train.shard_loss_fn(
+      sums_fn, mesh, "data", "context" if config.mesh.context > 1 else None,
+      has_aux=True, check_vma=not may_run_mosaic)
 
-  shapes = {(b, t)} | {(sb, st) for _, sb, st in curriculum_shapes(config)}
+
+def _train_step(loss_fn, optimizer, shapes):
+  """The jitted AdamW step; its metrics stay on the device."""
 
   @jax.jit
   def train_step(params, opt_state, batch):
@@ -403,31 +340,19 @@ def build_program(config) -> Program:
                                    grad_norm=optax.global_norm(grads),
                                    grads_finite=all_finite)
 
-  replicated = batch_sharding = None
-  if mesh is not None:
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    batch_sharding = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec("data", "context"))
+  return train_step
+
+
+def _put_batch(mesh):
+  """{name: [B, T] NumPy} -> arrays sharded over `mesh` (as is without)."""
+  if mesh is None:
+    return lambda batch: batch
+  sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("data", "context"))
 
   def put_batch(batch):
-    if batch_sharding is None:
-      return batch
     return {name: jax.make_array_from_callback(
-        x.shape, batch_sharding, lambda index, x=x: x[index])
+        x.shape, sharding, lambda index, x=x: x[index])
             for name, x in batch.items()}
 
-  prog = Program(
-      task=task, model=model, optimizer=optimizer, schedule=schedule,
-      train_step=_lined_up("train_step", train_step),
-      eval_step=_lined_up("eval_step", jax.jit(loss_fn)),
-      init=_lined_up("init", jax.jit(init_model.init,
-                                     out_shardings=replicated)),
-      init_opt=_lined_up("init_opt", jax.jit(optimizer.init,
-                                             out_shardings=replicated)),
-      put_batch=put_batch)
-  _PROGRAMS[key] = prog
-  while len(_PROGRAMS) > _MAX_PROGRAMS:
-    _PROGRAMS.popitem(last=False)
-  return prog
-
-
+  return put_batch

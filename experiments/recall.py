@@ -10,8 +10,8 @@ the same sequence; its *lag* is the distance back to that token:
 * `stack`: the popped value was written by its PUSH (the `x` of
   `PUSH id x`); the lag runs from the POP's id token back to it.
 
-`answer_positions(task, batch)` recovers those positions from the inputs
-alone (-1 where a position is not scored), `recall_profile(run_dir)` runs a
+Each such task's `answer_positions(batch)` recovers those positions from
+the inputs alone (-1 where a position is not scored); `recall_profile(run_dir)` runs a
 finished run's final parameters on its held-out set and bins held-out
 accuracy by lag (bins [2^k, 2^(k+1))), and `sweep_recall_profiles` does that
 for every finished run of a sweep (keeping the profiles it already holds),
@@ -42,51 +42,11 @@ from experiments import model as model_lib
 from experiments import plotting
 from experiments import program as program_lib
 from experiments import tasks as tasks_lib
-from experiments.tasks import stack as stack_lib
 
-RECALL_TASKS = ("palindrome", "mqar", "stack")
-
-
-def answer_positions(task, batch) -> np.ndarray:
-  """[B, T] int: where each scored position's answer was written, else -1.
-
-  Computed from `batch.inputs` and the task's layout, not from the targets.
-  """
-  inputs, mask = np.asarray(batch.inputs), np.asarray(batch.mask) > 0
-  b, t = inputs.shape
-  out = np.full((b, t), -1, np.int64)
-  if task.name == "palindrome":
-    half = task.num_symbols
-    j = np.arange(t) - half  # position half + j answers with x_{half - j}
-    src = np.where((j >= 0) & (j < half), half - j - 1, -1)
-    out[:] = src[None]
-  elif task.name == "mqar":
-    context = 2 * task.num_pairs
-    for i in range(b):
-      first = {}
-      for p in range(0, context, 2):  # keys at even context positions
-        first.setdefault(int(inputs[i, p]), p)
-      for q in np.flatnonzero(mask[i]):
-        out[i, q] = first[int(inputs[i, q])] + 1  # the value after the key
-  elif task.name == "stack":
-    for i in range(b):
-      stacks: dict[int, list[int]] = {}
-      p = 0
-      while p < t:
-        op = inputs[i, p]
-        if op == stack_lib.PUSH and p + 2 < t:
-          stacks.setdefault(int(inputs[i, p + 1]), []).append(p + 2)
-          p += 3
-        elif op == stack_lib.POP and p + 1 < t:
-          out[i, p + 1] = stacks[int(inputs[i, p + 1])].pop()
-          p += 2
-        else:
-          p += 1
-  else:
-    raise ValueError(f"task.name must be one of {RECALL_TASKS} for a recall"
-                     f" profile; got {task.name!r}.")
-  out[~mask] = -1
-  return out
+# The tasks that say where each answer was written (`answer_positions`).
+RECALL_TASKS = tuple(sorted(name for name, cls in tasks_lib.TASKS.items()
+                            if callable(getattr(cls, "answer_positions",
+                                                None))))
 
 
 def _bin_edges(seq_len: int) -> np.ndarray:
@@ -100,16 +60,7 @@ def _final_params(config, run_dir: str, model, seq_len: int):
   params = jax.jit(model.init)(jax.random.key(config.seed),
                                np.zeros((1, seq_len), np.int32))
   optimizer, _ = program_lib.make_optimizer(config.train)
-  opt_state = optimizer.init(params)
-  ckpt = checkpoints.manager(run_dir)
-  try:
-    step = ckpt.latest_step()
-    if step is None:
-      raise ValueError(f"run {run_dir} has no checkpoint to profile.")
-    params, _ = checkpoints.restore(ckpt, step, params, opt_state)
-  finally:
-    ckpt.close()
-  return params, step
+  return checkpoints.latest_params(run_dir, params, optimizer.init(params))
 
 
 def _held_out(config, task, n: int):
@@ -119,7 +70,7 @@ def _held_out(config, task, n: int):
   for i in range(n):
     batch = task.sample(tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
                         config.train.eval_batch_size)
-    src = answer_positions(task, batch)
+    src = task.answer_positions(batch)
     rows, cols = np.nonzero(src >= 0)
     lag = cols - src[rows, cols]
     yield batch, rows, cols, np.searchsorted(edges, lag, side="right") - 1
@@ -160,7 +111,7 @@ def recall_profile(config, run_dir: str, *,
   """
   task = _task(config)
   n = config.train.eval_batches if eval_batches is None else eval_batches
-  with program_lib.backend_context(config):
+  with model_lib.host_context(config.model):
     model = model_lib.make_model(config.model, task.vocab_size)
     params, step = _final_params(config, run_dir, model, task.seq_len)
     apply = jax.jit(model.apply)

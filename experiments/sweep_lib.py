@@ -278,7 +278,7 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
       if code_version:
         record_commit(run_dir, code_version)
       try:
-        with run_lock.Lease(run_dir), train.backend_context(run.config):
+        with run_lock.Lease(run_dir):
           train.train_and_evaluate(run.config, run_dir)
       except FloatingPointError as e:
         logging.warning("Run %s diverged: %s", run.name, e)

@@ -77,6 +77,18 @@ class MQAR:
     p = self.power_a * g ** (self.power_a - 1)
     return p / p.sum()
 
+  def answer_positions(self, batch: base.Batch) -> np.ndarray:
+    """A query's answer is the value after the key's first context slot."""
+    inputs, mask = np.asarray(batch.inputs), np.asarray(batch.mask) > 0
+    out = np.full(inputs.shape, -1, np.int64)
+    for i in range(inputs.shape[0]):
+      first = {}
+      for p in range(0, 2 * self.num_pairs, 2):  # keys at even positions
+        first.setdefault(int(inputs[i, p]), p)
+      for q in np.flatnonzero(mask[i]):
+        out[i, q] = first[int(inputs[i, q])] + 1
+    return out
+
   def sample(self, rng: np.random.Generator, batch_size: int) -> base.Batch:
     base.check_positive_int("batch_size", batch_size)
     t, n, half = self.seq_len, self.num_pairs, self.vocab_size // 2

@@ -62,6 +62,16 @@ class Palindrome:
   def chance_accuracy(self) -> float:
     return 1.0 / self.alphabet_size
 
+  def answer_positions(self, batch: base.Batch) -> np.ndarray:
+    """Position L + j answers with x_{L - j}: written at L - j - 1."""
+    t = batch.inputs.shape[1]
+    half = self.num_symbols
+    j = np.arange(t) - half
+    src = np.where((j >= 0) & (j < half), half - j - 1, -1)
+    out = np.broadcast_to(src, batch.inputs.shape).copy()
+    out[np.asarray(batch.mask) <= 0] = -1
+    return out
+
   def sample(self, rng: np.random.Generator, batch_size: int) -> base.Batch:
     base.check_positive_int("batch_size", batch_size)
     n = self.num_symbols

@@ -101,6 +101,27 @@ class Stack:
       else:  # two tokens left and every stack empty
         break
 
+  def answer_positions(self, batch: base.Batch) -> np.ndarray:
+    """A POP's answer is the value of the PUSH it pops, replayed per row."""
+    inputs, mask = np.asarray(batch.inputs), np.asarray(batch.mask) > 0
+    b, t = inputs.shape
+    out = np.full((b, t), -1, np.int64)
+    for i in range(b):
+      stacks: dict[int, list[int]] = {}
+      p = 0
+      while p < t:
+        op = inputs[i, p]
+        if op == PUSH and p + 2 < t:
+          stacks.setdefault(int(inputs[i, p + 1]), []).append(p + 2)
+          p += 3
+        elif op == POP and p + 1 < t:
+          out[i, p + 1] = stacks[int(inputs[i, p + 1])].pop()
+          p += 2
+        else:
+          p += 1
+    out[~mask] = -1
+    return out
+
   def sample(self, rng: np.random.Generator, batch_size: int) -> base.Batch:
     base.check_positive_int("batch_size", batch_size)
     shape = (batch_size, self.seq_len)

@@ -1,6 +1,6 @@
 """The compile-ahead wrapper of multi-process steps, in one process.
 
-Across processes `program._LinedUp` compiles each new input signature ahead
+Across processes `distributed._LinedUp` compiles each new input signature ahead
 and lines the processes up before running it (tests/experiments/
 test_multiprocess.py runs that for real); here: it computes what the jitted
 function computes, compiles once per signature, and lets traced calls
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import program
+from experiments import distributed
 
 
 def test_lined_up_step_compiles_once_per_signature_and_matches_jit():
@@ -21,7 +21,7 @@ def test_lined_up_step_compiles_once_per_signature_and_matches_jit():
     traces.append(x.shape)
     return jnp.sin(x) * y.sum()
 
-  step = program._LinedUp("f", jax.jit(f))
+  step = distributed._LinedUp("f", jax.jit(f))
   x, y = np.arange(6.0).reshape(2, 3), np.ones(4, np.float32)
   np.testing.assert_allclose(step(x, y), np.sin(x) * 4.0, rtol=1e-6)
   step(x + 1.0, y)  # same shapes: the compiled step again
@@ -31,4 +31,4 @@ def test_lined_up_step_compiles_once_per_signature_and_matches_jit():
   # Inside another trace it is the jitted function.
   np.testing.assert_allclose(jax.jit(step)(x, y), np.sin(x) * 4.0, rtol=1e-6)
   assert jax.eval_shape(step, x, y).shape == (2, 3)
-  program.line_up("nobody else")  # one process: returns at once
+  distributed.line_up("nobody else")  # one process: returns at once

@@ -1,9 +1,11 @@
-"""Recall against lag: where each answer was written, from the inputs alone.
+"""Recall against lag: where each answer was written, from the inputs alone
+(each recall task's `answer_positions`).
 
 The binned accuracy of real runs is checked in test_sweep.py (its smoke
 sweep's `--recall` must add up to each run's held-out accuracy).
 """
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def _scored(b, src):
 def test_palindrome_lags_are_odd_and_cover_the_string(seq_len):
   task = tasks.Palindrome(seq_len=seq_len, alphabet_size=4)
   b = _batch(task)
-  src = recall.answer_positions(task, b)
+  src = task.answer_positions(b)
   rows, cols = _scored(b, src)
   half = seq_len // 2
   lag = cols - src[rows, cols]
@@ -41,7 +43,7 @@ def test_palindrome_lags_are_odd_and_cover_the_string(seq_len):
 def test_mqar_answer_is_the_value_after_the_queried_key():
   task = tasks.MQAR(seq_len=128, num_pairs=8, vocab_size=64)
   b = _batch(task)
-  src = recall.answer_positions(task, b)
+  src = task.answer_positions(b)
   rows, cols = _scored(b, src)
   key_pos = src[rows, cols] - 1
   assert np.all(key_pos % 2 == 0) and np.all(key_pos < 2 * task.num_pairs)
@@ -52,7 +54,7 @@ def test_stack_answer_is_the_latest_unpopped_push_of_that_stack():
   task = tasks.Stack(seq_len=256, num_stacks=4, num_values=8,
                      push_probability=0.5)
   b = _batch(task)
-  src = recall.answer_positions(task, b)
+  src = task.answer_positions(b)
   rows, cols = _scored(b, src)
   for i in range(b.inputs.shape[0]):
     x = b.inputs[i]
@@ -68,7 +70,8 @@ def test_stack_answer_is_the_latest_unpopped_push_of_that_stack():
           assert popped_at.get(later, q + 1) < q, (i, p, later, q)
 
 
-def test_unsupported_task_names_the_field():
+def test_a_task_without_answer_positions_names_the_field():
+  config = ml_collections.ConfigDict(dict(
+      task=dict(name="parity", seq_len=8), train=dict(eval_batches=1)))
   with pytest.raises(ValueError, match="task.name must be one of"):
-    recall.answer_positions(tasks.Parity(seq_len=8),
-                            _batch(tasks.Parity(seq_len=8)))
+    recall.held_out_counts(config)

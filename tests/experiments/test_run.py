@@ -18,7 +18,6 @@ from configs import mqar
 from configs import parity
 from experiments import ablate
 from configs import common as config_lib
-from experiments import model as model_lib
 from experiments import tasks as tasks_lib
 from experiments import train
 
@@ -44,16 +43,17 @@ def _smoke(mixer, get_config=mqar.get_config):
   return config_lib.apply_diff(get_config("smoke"), {"model.mixer": mixer})
 
 
-@pytest.mark.parametrize("mixer", model_lib.MIXERS)
-def test_smoke_run_writes_the_workdir_and_resumes_when_done(mixer, tmp_path):
+def test_smoke_run_writes_the_workdir_and_resumes_when_done(tmp_path):
+  # The workdir contract is the mixer's no more than the data's: one mixer
+  # (every mixer's forward is in test_model.py, training in test_sweep.py).
+  mixer = "kda"
   config = _smoke(mixer)
   workdir = str(tmp_path / mixer)
   summary = train.train_and_evaluate(config, workdir)
   assert SUMMARY_KEYS <= set(summary)
   n = config.train.num_steps
   assert summary["steps"] == n and summary["mixer"] == mixer
-  assert summary["backend"] == ("chunked" if mixer in train.KDA_MIXERS
-                                else None)
+  assert summary["backend"] == "chunked"  # the op's answer on a CPU host
   assert summary["chance_accuracy"] == pytest.approx(1 / 16)
   for name in ("config.json", "metrics.jsonl", "summary.json",
                "accuracy.png"):

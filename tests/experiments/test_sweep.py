@@ -12,6 +12,7 @@ import pytest
 from configs.sweeps import kimi_synthetic
 from configs.sweeps import kimi_synthetic_600steps
 from configs.sweeps import parity as sweep_parity
+from experiments import program as program_lib
 from experiments import recall
 from experiments import sweep_lib
 from experiments import sweep_report
@@ -21,44 +22,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
 
-def test_the_kimi_synthetic_grid():
-  sweep = kimi_synthetic.get_config()
-  runs = sweep_lib.expand(sweep)
-  main = [r for r in runs if r.mixer != "kda_zeroed"]
-  assert len(main) == 3 * 3 * 3 * 3  # tasks x lengths x mixers x seeds
-  assert {(r.task, r.seq_len) for r in main} == {
-      (t, n) for t in ("palindrome", "mqar", "stack") for n in (256, 512, 1024)}
-  zeroed = [r for r in runs if r.mixer == "kda_zeroed"]
-  assert sorted(r.task for r in zeroed) == ["mqar", "palindrome", "stack"]
+def test_the_kimi_synthetic_runs_are_valid_and_shared_where_equal():
+  runs = sweep_lib.expand(kimi_synthetic.get_config())
   assert len({r.name for r in runs}) == len(runs)
-  # Seeds outermost: every run of seed 0 comes before any of seed 1.
-  seeds = [r.seed for r in main]
-  assert seeds == sorted(seeds)
-  for r in runs:  # Palindrome and Stack: 8192 tokens a step; MQAR: 32 rows
-    b = r.config.train.batch_size
-    assert b == 32 if r.task == "mqar" else b * r.seq_len == 8192
+  for r in runs:  # every run's config is one the trainer accepts
+    program_lib.validate_config(r.config)
     assert r.config.task.seq_len == r.seq_len
     assert r.config.model.mixer == r.mixer and r.config.seed == r.seed
-  mqar = {r.seq_len: r.config.task for r in main if r.task == "mqar"}
-  assert [mqar[n].num_pairs for n in (256, 512, 1024)] == [16, 24, 32]
-  # Palindrome past 256 tokens starts short: 200 steps at each doubling
-  # from 256; the other tasks train at their length.
-  curricula = {(r.task, r.seq_len): r.config.train.length_curriculum
-               for r in runs}
-  assert curricula[("palindrome", 256)] == ()
-  assert curricula[("palindrome", 512)] == ((200, 256),)
-  assert curricula[("palindrome", 1024)] == ((200, 256), (200, 512))
-  assert all(c == () for (t, _), c in curricula.items() if t != "palindrome")
-  # The calibration's runs at a mixer's chosen rate are the protocol's.
+  # Seeds outermost: a partial sweep has whole seeds, not whole cells.
+  seeds = [r.seed for r in runs if r.mixer != "kda_zeroed"]
+  assert seeds == sorted(seeds)
+  # A calibration run with a protocol run's name is that run (one workdir
+  # serves both), whatever rates each config lists.
   protocol = {r.name: r.config for r in runs}
   calibration = sweep_lib.expand(kimi_synthetic.get_config("calibration"))
   shared = [r for r in calibration if r.name in protocol]
-  assert len(shared) == 3 * 3 and all(
-      r.config == protocol[r.name] for r in shared)
-  # The first protocol's runs are the committed ones.
-  first = sweep_lib.expand(kimi_synthetic_600steps.get_config())
-  assert len(first) == 84 and all(
-      r.config.train.num_steps == 600 for r in first)
+  assert shared and all(r.config == protocol[r.name] for r in shared)
+  for r in sweep_lib.expand(kimi_synthetic_600steps.get_config()):
+    program_lib.validate_config(r.config)
+
+
+def test_palindrome_curriculum_doubles_up_from_256():
+  assert kimi_synthetic.palindrome_curriculum(256) == ()
+  assert kimi_synthetic.palindrome_curriculum(1024, 7) == ((7, 256),
+                                                           (7, 512))
 
 
 def test_extend_to_continues_the_unsolved_runs(tmp_path):
@@ -115,19 +102,39 @@ def test_sweep_config_errors():
     sweep_lib.expand(bad)
 
 
-def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
+SMOKE_ONLY = "stack_T32/kda_"  # two seeds of one cell: enough to aggregate
+SMOKE_RUNS = ["stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"]
+
+
+@pytest.fixture(scope="module")
+def smoke_sweep(tmp_path_factory):
+  """(sweep, workdir, trained runs): the smoke sweep's two runs, trained once
+  per test process; tests that change the workdir take a copy."""
   sweep = kimi_synthetic.get_config("smoke")
-  workdir = str(tmp_path)
-  only = "stack_T32/kda_"  # two seeds of one cell: enough to aggregate
-  trained = sweep_lib.run_sweep(sweep, workdir, only=only, code_version="c1")
-  assert sorted(r.name for r in trained) == [
-      "stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"]
+  workdir = str(tmp_path_factory.mktemp("smoke_sweep"))
+  trained = sweep_lib.run_sweep(sweep, workdir, only=SMOKE_ONLY,
+                                code_version="c1")
+  return sweep, workdir, trained
+
+
+def _copy(smoke_sweep, tmp_path):
+  sweep, workdir, trained = smoke_sweep
+  copy = str(tmp_path / "workdir")
+  shutil.copytree(workdir, copy)
+  return sweep, copy, trained
+
+
+@pytest.mark.xdist_group("smoke_sweep")
+def test_smoke_sweep_trains_each_run_once_and_skips_held_ones(
+    smoke_sweep, tmp_path):
+  sweep, workdir, trained = _copy(smoke_sweep, tmp_path)
+  assert sorted(r.name for r in trained) == SMOKE_RUNS
   for r in trained:
     run_dir = os.path.join(workdir, r.name)
     assert os.path.isfile(os.path.join(run_dir, "summary.json"))
     assert not os.path.exists(run_dir + ".lock")
   # Rerunning trains nothing; a run held by a live process is skipped.
-  assert sweep_lib.run_sweep(sweep, workdir, only=only) == []
+  assert sweep_lib.run_sweep(sweep, workdir, only=SMOKE_ONLY) == []
   held = os.path.join(workdir, "palindrome_T16/kda_seed0_lr0.003")
   os.makedirs(os.path.dirname(held), exist_ok=True)
   with open(held + ".lock", "w") as f:
@@ -136,7 +143,16 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
       sweep, workdir, only="palindrome_T16/kda_seed0") == []
   with pytest.raises(ValueError, match="no run of the sweep"):
     sweep_lib.run_sweep(sweep, workdir, only="nothing")
+  # A run resumed at another commit lists both; the same commit once.
+  sweep_lib.record_commit(os.path.join(workdir, trained[0].name), "c2")
+  sweep_lib.record_commit(os.path.join(workdir, trained[0].name), "c2")
+  assert sweep_lib.read_commits(
+      os.path.join(workdir, trained[0].name)) == ["c1", "c2"]
 
+
+@pytest.mark.xdist_group("smoke_sweep")
+def test_smoke_sweep_aggregates_its_seeds(smoke_sweep, tmp_path):
+  sweep, workdir, _ = _copy(smoke_sweep, tmp_path)
   results = sweep_report.aggregate(sweep, workdir, metadata=dict(commit="x"))
   assert results["num_finished"] == 2 and results["num_runs"] == 13
   (kda,) = [c for c in results["cells"] if c["mixer"] == "kda"]
@@ -156,18 +172,15 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
     md = f.read()
   assert "2 of 13 runs finished" in md and "| stack | 32 | kda |" in md
   assert "Runs trained at: c1 (2 runs)." in md
-  # A run resumed at another commit lists both; the same commit once.
-  sweep_lib.record_commit(os.path.join(workdir, trained[0].name), "c2")
-  sweep_lib.record_commit(os.path.join(workdir, trained[0].name), "c2")
-  assert sweep_lib.read_commits(
-      os.path.join(workdir, trained[0].name)) == ["c1", "c2"]
 
-  # Recall against lag (the CLI): every run's bins add up to its held-out
-  # accuracy; the cell's band spans its seeds.
+
+@pytest.mark.xdist_group("smoke_sweep")
+def test_recall_bins_add_up_to_each_runs_accuracy(smoke_sweep, tmp_path):
+  sweep, workdir, trained = _copy(smoke_sweep, tmp_path)
   subprocess.run(
       [sys.executable, "-m", "experiments.sweep",
        "--config=configs/sweeps/kimi_synthetic.py:smoke",
-       f"--workdir={workdir}", "--recall", f"--only={only}"],
+       f"--workdir={workdir}", "--recall", f"--only={SMOKE_ONLY}"],
       cwd=REPO, capture_output=True, text=True, check=True)
   with open(os.path.join(workdir, "recall_vs_lag.json")) as f:
     prof = json.load(f)
@@ -194,10 +207,14 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
       assert mean == pytest.approx(np.mean(column))
       assert cell["min"][k] == pytest.approx(min(column))
   assert os.path.isfile(os.path.join(workdir, "recall_vs_lag_stack.png"))
-  # Profiling again keeps a run's profile of its final step and held-out
-  # set, with who made it, even with the checkpoints gone (a workdir
-  # rebuilt from committed results); a stale profile is remade from the
-  # checkpoints, or the run is listed as unprofiled when they are gone.
+  _check_profiles_are_kept(sweep, workdir, trained, prof)
+
+
+def _check_profiles_are_kept(sweep, workdir, trained, prof):
+  """Profiling again keeps a run's profile of its final step and held-out
+  set, with who made it, even with the checkpoints gone (a workdir rebuilt
+  from committed results); a stale profile is remade from the checkpoints,
+  or the run is listed as unprofiled when they are gone."""
   shutil.rmtree(os.path.join(workdir, trained[0].name, "checkpoints"))
   kept = recall.sweep_recall_profiles(sweep, workdir, trained,
                                       metadata=dict(profiled_at="c3"))
@@ -216,11 +233,15 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   assert p["count"] == recall.held_out_counts(trained[1].config,
                                               eval_batches=2)
 
-  # An edited sweep does not count (or resume) the old config's runs ...
+
+@pytest.mark.xdist_group("smoke_sweep")
+def test_an_edited_sweep_refuses_the_old_runs_but_not_new_logging(
+    smoke_sweep, tmp_path):
+  sweep, workdir, _ = _copy(smoke_sweep, tmp_path)
   edited = sweep.copy_and_resolve_references()
   edited.unlock()
   edited.cells = (dict(edited.cells[0], batch_size=2),) + edited.cells[1:]
-  for call in (lambda: sweep_lib.run_sweep(edited, workdir, only=only),
+  for call in (lambda: sweep_lib.run_sweep(edited, workdir, only=SMOKE_ONLY),
                lambda: sweep_report.aggregate(edited, workdir)):
     with pytest.raises(ValueError, match=r"stack_T32/kda_seed0_lr0.003 \("
                        r"train.batch_size: 4 -> 2"):
@@ -230,7 +251,7 @@ def test_smoke_sweep_trains_resumes_and_aggregates(tmp_path):
   edited.unlock()
   edited.base.train.log_every = 3
   edited.base.model.kda.backend = "reference"
-  assert sweep_lib.run_sweep(edited, workdir, only=only) == []
+  assert sweep_lib.run_sweep(edited, workdir, only=SMOKE_ONLY) == []
 
 
 def test_parity_sweep_runs_variants_and_tabulates_lengths(tmp_path):
