@@ -50,7 +50,8 @@ def model_config(*, mixer="kda", num_layers=2, d_model=128, mlp_hidden=256,
       compute_dtype="float32",
       kda=kda,
       attention=dict(num_heads=num_heads, head_dim=head_dim,
-                     conv_size=conv_size, rope_base=10_000.0),
+                     conv_size=conv_size, rope_base=10_000.0,
+                     rope=True),  # False: no positional encoding (NoPE)
   ))
 
 

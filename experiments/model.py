@@ -7,6 +7,13 @@ V vocabulary.
       -> num_layers x ( x + mixer(RMSNorm(x)) ; x + MLP(RMSNorm(x)) )
       -> RMSNorm -> unembed [B, T, V]
 
+`model.mixer` names one mixer for every layer, or a comma-separated
+pattern repeated over the layers (`layer_mixers`): "kda,kda,kda,attention"
+with `model.attention.rope=False` is Kimi Linear's hybrid (arXiv 2510.26692,
+§4: three KDA layers to one global attention layer without positional
+encoding). Packed documents (`segment_ids`) and decoding with a cache
+(`init_cache`) work for every mixer and pattern.
+
 Mixers (`MIXERS`):
 
 * `kda`: `linear_attention.modules.KimiDeltaAttention` (Kimi Linear,
@@ -16,15 +23,16 @@ Mixers (`MIXERS`):
   memory is what solves a task;
 * `gdn`: the same layer with one decay per head shared across the key
   channels (decay="head"), i.e. Gated DeltaNet;
-* `attention`: causal softmax attention with RoPE and the same causal
-  depthwise short convolution (+ SiLU) on q, k and v as KDA, the fair
-  baseline (without the conv it sat at the 1/N plateau on MQAR);
+* `attention`: causal softmax attention with RoPE (or none) and the same
+  causal depthwise short convolution (+ SiLU) on q, k and v as KDA
+  (`experiments.attention`), the fair baseline;
 * `none`: no mixer, the MLP blocks only.
 
 Modules take plain arguments; `make_model` spreads the config once, inside
 the function given to `hk.transform`.
 """
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -33,65 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import attention as attention_lib
 from linear_attention.modules import kda as kda_module
-from linear_attention.modules import short_conv
+from linear_attention.ops.kda import api as kda_api
 
 # The mixers built on the KDA layer, and every mixer: the one list of names.
 KDA_MIXERS = ("kda", "kda_zeroed", "gdn")
 MIXERS = KDA_MIXERS + ("attention", "none")
 COMPUTE_DTYPES = ("float32", "bfloat16")  # config.model.compute_dtype
-
-
-def rope(x: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding on [B, T, H, Dh] (halves rotated, Dh even)."""
-  _, t, _, dh = x.shape
-  half = dh // 2
-  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]
-  cos = jnp.cos(angles)[None, :, None, :]
-  sin = jnp.sin(angles)[None, :, None, :]
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
-
-
-@dataclasses.dataclass
-class ShortConvSoftmaxAttention(hk.Module):
-  """Causal softmax attention with RoPE and a short conv on q, k, v.
-
-  q, k, v = SiLU(ShortConvolution(Linear(x))), the same causal depthwise
-  conv module (`linear_attention.modules.ShortConvolution`, W taps) and
-  activation as the KDA layer; RoPE on q and k, softmax(q k^T / sqrt(Dh)) with a
-  causal mask, then an output projection back to D.
-  """
-
-  num_heads: int  # H
-  head_dim: int  # Dh (even, for RoPE)
-  conv_size: int = 4  # W taps of the short conv; 0 = no conv, SiLU only
-  rope_base: float = 10_000.0  # RoPE wavelength base
-  name: str | None = None
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    b, t, d = x.shape
-    h, dh = self.num_heads, self.head_dim
-    init = hk.initializers.RandomNormal(0.02)  # as the KDA layer
-    qkv = []
-    for name in "qkv":
-      y = hk.Linear(h * dh, with_bias=False, w_init=init,
-                    name=f"{name}_proj")(x)
-      if self.conv_size > 0:
-        y = short_conv.ShortConvolution(self.conv_size, activation="silu",
-                                        name=f"{name}_conv1d")(y)
-      else:
-        y = jax.nn.silu(y)
-      qkv.append(y.reshape(b, t, h, dh))
-    q, k, v = qkv
-    q, k = rope(q, self.rope_base), rope(k, self.rope_base)
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) * dh ** -0.5
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-    o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, -1), v)
-    return hk.Linear(d, with_bias=False, w_init=init, name="out")(
-        o.reshape(b, t, h * dh))
 
 
 @dataclasses.dataclass
@@ -113,65 +70,119 @@ class LanguageModel(hk.Module):
 
   vocab_size: int  # V
   d_model: int  # D
-  num_layers: int  # number of (mixer, MLP) blocks
+  mixers: tuple[str, ...]  # one name of `MIXERS` per layer
   mlp_hidden: int  # MLP hidden width
-  make_mixer: Callable[[str], Callable[[jax.Array], jax.Array]] | None
-  # make_mixer(name) -> a callable [B, T, D] -> [B, T, D]; None = no mixer.
+  make_mixer: Callable[[str, str], Any]  # (mixer, module name) -> layer
   name: str | None = None
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+               cache: tuple | None = None):
+    """logits [B, T, V]; with `cache` (`init_cache`), (logits, new_cache).
+
+    `segment_ids` [B, T]: packed documents (1, 2, ..; 0 = padding); no
+    layer lets information cross a document boundary.
+    """
     x = hk.Embed(self.vocab_size, self.d_model,
                  w_init=hk.initializers.TruncatedNormal(0.02),
                  name="embed")(tokens)
-    for i in range(self.num_layers):
-      if self.make_mixer is not None:
+    new_cache = []
+    for i, mixer in enumerate(self.mixers):
+      layer_cache = None
+      if mixer != "none":
         y = hk.RMSNorm(-1, name=f"mixer_norm_{i}")(x)
-        x = x + self.make_mixer(f"mixer_{i}")(y)
+        layer = self.make_mixer(mixer, f"mixer_{i}")
+        if cache is None:
+          y = layer(y, segment_ids)
+        else:
+          y, layer_cache = layer(y, segment_ids, cache=cache[i])
+        x = x + y
+      new_cache.append(layer_cache)
       y = hk.RMSNorm(-1, name=f"mlp_norm_{i}")(x)
       x = x + MLP(self.mlp_hidden, name=f"mlp_{i}")(y)
     x = hk.RMSNorm(-1, name="final_norm")(x)
-    return hk.Linear(self.vocab_size, with_bias=False,
-                     w_init=hk.initializers.TruncatedNormal(0.02),
-                     name="unembed")(x)
+    logits = hk.Linear(self.vocab_size, with_bias=False,
+                       w_init=hk.initializers.TruncatedNormal(0.02),
+                       name="unembed")(x)
+    return logits if cache is None else (logits, tuple(new_cache))
 
 
-def mixer_factory(mixer: str, *, kda: dict[str, Any],
-                  attention: dict[str, Any]):
-  """make_mixer(name) for `LanguageModel`, or None for mixer="none".
+def mixer_factory(*, kda: dict[str, Any], attention: dict[str, Any]):
+  """make_mixer(mixer, name) for `LanguageModel`.
 
   Args:
-    mixer: one of `MIXERS`.
     kda: keyword arguments of `KimiDeltaAttention` (config.model.kda).
     attention: keyword arguments of `ShortConvSoftmaxAttention`.
   """
-  match mixer:
-    case "kda":
-      return lambda name: kda_module.KimiDeltaAttention(**kda, name=name)
-    case "kda_zeroed":
-      def zeroed(name):
+
+  def make_mixer(mixer: str, name: str):
+    match mixer:
+      case "kda":
+        return kda_module.KimiDeltaAttention(**kda, name=name)
+      case "kda_zeroed":
         layer = kda_module.KimiDeltaAttention(**kda, name=name)
-        return lambda x: layer(x) * 0.0
-      return zeroed
-    case "gdn":
-      return lambda name: kda_module.KimiDeltaAttention(**{**kda, "decay": "head"}, name=name)
-    case "attention":
-      return lambda name: ShortConvSoftmaxAttention(**attention, name=name)
-    case "none":
-      return None
-    case _:
-      raise ValueError(f"model.mixer must be one of {list(MIXERS)}; got"
-                       f" {mixer!r}.")
+
+        def zeroed(x, segment_ids=None, cache=None):
+          if cache is None:
+            return layer(x, segment_ids) * 0.0
+          y, cache = layer(x, segment_ids, cache=cache)
+          return y * 0.0, cache
+
+        return zeroed
+      case "gdn":
+        return kda_module.KimiDeltaAttention(**{**kda, "decay": "head"},
+                                             name=name)
+      case "attention":
+        return attention_lib.ShortConvSoftmaxAttention(**attention, name=name)
+    raise ValueError(f"model.mixer must name mixers of {list(MIXERS)}; got"
+                     f" {mixer!r}.")
+
+  return make_mixer
+
+
+def layer_mixers(model) -> tuple[str, ...]:
+  """The mixer of each layer: `model.mixer` is one name of `MIXERS`, or a
+  comma-separated pattern of them repeated over `model.num_layers` (e.g.
+  "kda,kda,kda,attention": Kimi Linear's 3:1 hybrid)."""
+  pattern = tuple(m.strip() for m in str(model.mixer).split(","))
+  bad = [m for m in pattern if m not in MIXERS]
+  if bad:
+    raise ValueError(f"model.mixer must be one of {list(MIXERS)} or a"
+                     f" comma-separated pattern of them; got"
+                     f" {model.mixer!r}.")
+  if model.num_layers % len(pattern):
+    raise ValueError(
+        f"model.num_layers ({model.num_layers}) must be a multiple of the"
+        f" length of the mixer pattern {model.mixer!r} ({len(pattern)}).")
+  return pattern * (model.num_layers // len(pattern))
+
+
+def init_cache(model, batch_size: int, max_len: int) -> tuple:
+  """The all-zero decode cache of a model of `config.model`: per layer a
+  `KDACache` (KDA, GDN), an `AttentionCache` of `max_len` positions, or
+  None (no mixer). Usable outside `hk.transform`."""
+  kda = {k: model.kda[k] for k in ("num_heads", "head_dim", "expand_v",
+                                    "conv_size", "num_v_heads")}
+  att = model.attention
+  out = []
+  for mixer in layer_mixers(model):
+    if mixer in KDA_MIXERS:
+      out.append(kda_module.init_kda_cache(batch_size, **kda))
+    elif mixer == "attention":
+      out.append(attention_lib.init_attention_cache(
+          batch_size, num_heads=att.num_heads, head_dim=att.head_dim,
+          conv_size=att.conv_size, max_len=max_len))
+    else:
+      out.append(None)
+  return tuple(out)
 
 
 def validate_model_config(model, vocab_size: int) -> None:
   """Raises ValueError naming the field for a bad `config.model`."""
-  if model.mixer not in MIXERS:
-    raise ValueError(f"model.mixer must be one of {list(MIXERS)}; got"
-                     f" {model.mixer!r}.")
   for field in ("num_layers", "d_model", "mlp_hidden"):
     value = model[field]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"model.{field} must be an int >= 1; got {value!r}.")
+  mixers = layer_mixers(model)
   dtype = model.get("compute_dtype", "float32")
   if dtype not in COMPUTE_DTYPES:
     raise ValueError(f"model.compute_dtype must be one of {COMPUTE_DTYPES};"
@@ -180,13 +191,19 @@ def validate_model_config(model, vocab_size: int) -> None:
   if att.head_dim % 2:
     raise ValueError(f"model.attention.head_dim must be even (RoPE); got"
                      f" {att.head_dim}.")
-  if model.mixer in KDA_MIXERS:
+  if not isinstance(att.get("rope", True), bool):
+    raise ValueError(f"model.attention.rope must be a bool; got"
+                     f" {att.rope!r}.")
+  if any(m in KDA_MIXERS for m in mixers):
     kda_module.validate_kda_layer_args(**model.kda)
   del vocab_size
 
 
 def make_model(model, vocab_size: int) -> hk.Transformed:
   """hk.transform of the LM; `model` is `config.model` (read once, here).
+
+  `apply(params, tokens, segment_ids=None, cache=None)` gives the logits
+  (`LanguageModel`), with a cache (`init_cache`) also the new cache.
 
   `model.compute_dtype="bfloat16"` is mixed precision: parameters (and so
   the optimizer state) stay float32; `apply` computes with a bfloat16 copy
@@ -196,27 +213,47 @@ def make_model(model, vocab_size: int) -> hk.Transformed:
   """
   validate_model_config(model, vocab_size)
   compute_dtype = jnp.dtype(model.get("compute_dtype", "float32"))
-  mixer = model.mixer
   kda = model.kda.to_dict()
   attention = model.attention.to_dict()
   kwargs = dict(vocab_size=vocab_size, d_model=model.d_model,
-                num_layers=model.num_layers, mlp_hidden=model.mlp_hidden)
+                mixers=layer_mixers(model), mlp_hidden=model.mlp_hidden)
 
-  def forward(tokens: jax.Array) -> jax.Array:
-    make_mixer = mixer_factory(mixer, kda=kda, attention=attention)
-    return LanguageModel(make_mixer=make_mixer, name="lm", **kwargs)(tokens)
+  def forward(tokens, segment_ids=None, cache=None):
+    make_mixer = mixer_factory(kda=kda, attention=attention)
+    return LanguageModel(make_mixer=make_mixer, name="lm", **kwargs)(
+        tokens, segment_ids, cache)
 
   transformed = hk.without_apply_rng(hk.transform(forward))
   if compute_dtype == jnp.float32:
     return transformed
 
-  def apply(params, tokens):
+  def apply(params, tokens, segment_ids=None, cache=None):
     low = jax.tree.map(
         lambda p: p.astype(compute_dtype)
         if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-    return transformed.apply(low, tokens).astype(jnp.float32)
+    out = transformed.apply(low, tokens, segment_ids, cache)
+    if cache is None:
+      return out.astype(jnp.float32)
+    return out[0].astype(jnp.float32), out[1]
 
   return hk.Transformed(init=transformed.init, apply=apply)
+
+
+def uses_kda(model) -> bool:
+  """Whether a model of this config (`config.model`) has a KDA layer."""
+  return any(m in KDA_MIXERS for m in layer_mixers(model))
+
+
+def kda_backend(model) -> str | None:
+  """The KDA backend the model runs, as the op resolves it; None if no KDA."""
+  return kda_api.resolved_backend(model.kda.backend) if uses_kda(model) else None
+
+
+def host_context(model):
+  """What running the model on this host needs (the op's `host_context`)."""
+  if not uses_kda(model):
+    return contextlib.nullcontext()
+  return kda_api.host_context(model.kda.backend)
 
 
 def count_params(params) -> int:

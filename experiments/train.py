@@ -12,8 +12,10 @@ and writes into `workdir`:
   `train.checkpoint_every` steps and at the end;
 * `summary.json`: task, mixer, backend, seed, steps, final / best held-out
   accuracy, chance accuracy, wall seconds and steps per second (of this
-  invocation), steps to 99%; with `train.eval_lengths`, `length_accuracy`:
-  the final parameters' held-out accuracy at each of those lengths;
+  invocation), steps to 99%; with `train.eval_lengths`, `length_accuracy`
+  and `length_loss`: the final parameters' held-out accuracy and loss at
+  each of those lengths; for text, `corpus` (its fingerprint, also in
+  `corpus.json`: a run does not resume on another corpus);
 * `accuracy.png`: held-out accuracy against step.
 
 The pieces live by concern: `experiments/program.py` (config checks, model,
@@ -61,6 +63,7 @@ import ml_collections
 import numpy as np
 
 from experiments import checkpoints
+from experiments import distributed
 from experiments import metrics as metrics_lib
 from experiments import model as model_lib
 from experiments import plotting
@@ -68,8 +71,6 @@ from experiments import program as program_lib
 from experiments import tasks as tasks_lib
 
 # The names the CLIs and tests use, from the modules that define them.
-KDA_MIXERS = model_lib.KDA_MIXERS
-backend_context = program_lib.backend_context
 build_program = program_lib.build_program
 quiet_orbax_logs = checkpoints.quiet_orbax_logs
 validate_config = program_lib.validate_config
@@ -77,6 +78,7 @@ validate_config = program_lib.validate_config
 
 def _eval_set(config, task) -> list[dict[str, np.ndarray]]:
   tr = config.train
+  task = tasks_lib.held_out(task)
   return [task.sample(tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
                       tr.eval_batch_size).as_dict()
           for i in range(tr.eval_batches)]
@@ -122,20 +124,20 @@ def train_batches(config, task):
   return batch
 
 
-def _length_accuracy(config, prog, params) -> dict[str, float]:
-  """Held-out accuracy of `params` at each of `train.eval_lengths`.
+def _length_evals(config, prog, params) -> dict[str, dict[str, float]]:
+  """Held-out accuracy and loss of `params` at each of `train.eval_lengths`.
 
   The same task with only `seq_len` replaced, drawn from the held-out stream;
   the eval step compiles once per length.
   """
-  out = {}
+  accuracy, loss = {}, {}
   for seq_len in config.train.get("eval_lengths", ()):
-    _, acc = _evaluate(prog, params, _eval_set(config, _task_at(config,
-                                                                seq_len)))
-    logging.info("Length generalisation: T=%d held-out accuracy %.4f.",
-                 seq_len, acc)
-    out[str(seq_len)] = acc
-  return out
+    loss[str(seq_len)], accuracy[str(seq_len)] = _evaluate(
+        prog, params, _eval_set(config, _task_at(config, seq_len)))
+    logging.info("Length generalisation: T=%d held-out accuracy %.4f, loss"
+                 " %.4f.", seq_len, accuracy[str(seq_len)],
+                 loss[str(seq_len)])
+  return dict(length_accuracy=accuracy, length_loss=loss)
 
 
 def is_finished(summary: dict[str, Any], config) -> bool:
@@ -212,7 +214,8 @@ RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
 # then resumes, and counts as the same config, only where the new config
 # keeps that value).
 ADDED_FIELDS = {"train.eval_lengths": (), "train.length_curriculum": (),
-                "train.schedule": "cosine", "train.decay_fraction": 0.2}
+                "train.schedule": "cosine", "train.decay_fraction": 0.2,
+                "model.attention.rope": True}
 
 # Schedules whose num_steps may change between a run and its resumption: a
 # constant rate does not depend on it, and a "wsd" run resumes from before
@@ -334,8 +337,9 @@ def _summary(config, task, params, log, *, last, start, wall):
   trained = last - start
   return dict(
       task=task.name, mixer=config.model.mixer,
-      backend=program_lib.kda_backend(config), seed=config.seed, steps=last,
+      backend=model_lib.kda_backend(config.model), seed=config.seed, steps=last,
       final_eval_accuracy=evals[-1]["accuracy"] if evals else None,
+      final_eval_loss=evals[-1]["loss"] if evals else None,
       best_eval_accuracy=max((r["accuracy"] for r in evals), default=None),
       chance_accuracy=task.chance_accuracy,
       steps_to_99=metrics_lib.steps_to_accuracy(evals),
@@ -346,7 +350,31 @@ def _summary(config, task, params, log, *, last, start, wall):
       steps_trained_this_run=trained,
       schedule=tr.schedule, num_steps=tr.num_steps,
       status=metrics_lib.run_status(log.records),
-      train_seconds=metrics_lib.train_seconds(log.records))
+      train_seconds=metrics_lib.train_seconds(log.records),
+      **_fingerprint(task))
+
+
+def _fingerprint(task) -> dict[str, Any]:
+  """{"corpus": ...} for a task on real data (`text`), else {}."""
+  return {"corpus": task.fingerprint()} if hasattr(task, "fingerprint") else {}
+
+
+def check_corpus(workdir: str, task) -> None:
+  """Records the task's corpus in `corpus.json`; ValueError if the workdir
+  holds a run on another corpus (another Python, other files)."""
+  if not hasattr(task, "fingerprint"):
+    return
+  path = os.path.join(workdir, "corpus.json")
+  have = task.fingerprint()
+  if os.path.exists(path):
+    with open(path) as f:
+      stored = json.load(f)
+    if stored != have:
+      raise ValueError(
+          f"{workdir} holds a run on another corpus ({stored}); this config"
+          f" reads {have}. Use a new workdir.")
+  elif jax.process_index() == 0:
+    metrics_lib.write_atomic(path, json.dumps(have, indent=2))
 
 
 def _write_outputs(config, task, workdir, summary, evals) -> None:
@@ -444,15 +472,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     summary fields are not written; the dict is returned regardless).
   """
   program_lib.validate_config(config)
+  with model_lib.host_context(config.model):  # e.g. Mosaic off TPU
+    return _train_and_evaluate(config, workdir, stop_at_step)
+
+
+def _train_and_evaluate(config, workdir, stop_at_step):
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   tr = config.train
   prog = program_lib.build_program(config)
   task = prog.task
   check_resumable(workdir, config)
+  check_corpus(workdir, task)
   stored = stored_config(workdir)
   # Every process has read the stored config before process 0 replaces it.
-  program_lib.line_up("config checked")
+  distributed.line_up("config checked")
   logging.info("Task %s: T=%d, vocab %d, chance accuracy %.4f.", task.name,
                task.seq_len, task.vocab_size, task.chance_accuracy)
   if config.mesh.data * config.mesh.context > 1:
@@ -466,7 +500,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   opt_state = prog.init_opt(params)
   logging.info("Model: mixer %s, %d parameters, KDA backend %s.",
                config.model.mixer, model_lib.count_params(params),
-               program_lib.kda_backend(config))
+               model_lib.kda_backend(config.model))
 
   decay_start = program_lib.decay_start(tr)
   ckpt = checkpoints.manager(
@@ -504,7 +538,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                  tr.num_steps)
     return summary
   if tr.get("eval_lengths"):
-    summary["length_accuracy"] = _length_accuracy(config, prog, params)
+    summary.update(_length_evals(config, prog, params))
   _write_outputs(config, task, workdir, summary, log.evals())
   logging.info("Done: %s", json.dumps(summary))
   return summary

@@ -3,12 +3,14 @@
 `make_task(name, **kwargs)` builds one by name from the config's `task`
 section: `delayed_copy` (copying memory), `mqar` (Zoology's multi-query
 associative recall), the Kimi Linear synthetic suite's `palindrome` and
-`stack` (arXiv 2510.26692, §5.1), and `parity` (state tracking, Grazzi et
-al., arXiv 2411.12537).
+`stack` (arXiv 2510.26692, §5.1), `parity` (state tracking, Grazzi et
+al., arXiv 2411.12537), and `text` (byte-level language modelling on the
+Python standard library's source).
 """
 
 from experiments.tasks.base import Batch
 from experiments.tasks.base import EVAL_STREAM
+from experiments.tasks.base import held_out
 from experiments.tasks.base import rng
 from experiments.tasks.base import Task
 from experiments.tasks.base import TRAIN_STREAM
@@ -17,9 +19,10 @@ from experiments.tasks.mqar import MQAR
 from experiments.tasks.palindrome import Palindrome
 from experiments.tasks.parity import Parity
 from experiments.tasks.stack import Stack
+from experiments.tasks.text import Text
 
 TASKS = {"delayed_copy": DelayedCopy, "mqar": MQAR, "palindrome": Palindrome,
-         "parity": Parity, "stack": Stack}
+         "parity": Parity, "stack": Stack, "text": Text}
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -33,4 +36,5 @@ def make_task(name: str, **kwargs) -> Task:
 
 
 __all__ = ["Batch", "DelayedCopy", "EVAL_STREAM", "MQAR", "Palindrome",
-           "Parity", "Stack", "TASKS", "Task", "TRAIN_STREAM", "make_task", "rng"]
+           "Parity", "Stack", "TASKS", "Task", "Text", "TRAIN_STREAM",
+           "held_out", "make_task", "rng"]

@@ -29,9 +29,14 @@ class Batch:
   inputs: np.ndarray  # int32 tokens fed to the model
   targets: np.ndarray  # int32 token to predict at each position (0 if unscored)
   mask: np.ndarray  # float32, 1.0 on the scored positions
+  # int32 packed documents 1, 2, .. along a row (0 = padding), or None
+  segment_ids: np.ndarray | None = None
 
   def as_dict(self) -> dict[str, np.ndarray]:
-    return dict(inputs=self.inputs, targets=self.targets, mask=self.mask)
+    out = dict(inputs=self.inputs, targets=self.targets, mask=self.mask)
+    if self.segment_ids is not None:
+      out["segment_ids"] = self.segment_ids
+    return out
 
 
 class Task(Protocol):
@@ -53,6 +58,24 @@ class Task(Protocol):
 
   def sample(self, rng: np.random.Generator, batch_size: int) -> Batch:
     """Draws `batch_size` independent examples."""
+
+
+def held_out(task):
+  """The task held-out batches come from: `task.held_out()` where a task
+  has its own held-out data (text: other files), else the task itself (a
+  synthetic task's held-out set is its own stream, `EVAL_STREAM`)."""
+  return task.held_out() if callable(getattr(task, "held_out", None)) else task
+
+
+class RecallTask(Task, Protocol):
+  """A task whose every scored answer was written at one earlier position."""
+
+  def answer_positions(self, batch: Batch) -> np.ndarray:
+    """[B, T] int: where each scored position's answer was written, else -1.
+
+    Read from `batch.inputs` and the task's layout, never from the targets
+    (`experiments/recall.py` bins accuracy by the distance).
+    """
 
 
 def rng(seed: int, stream: int, index: int) -> np.random.Generator:

@@ -1,0 +1,166 @@
+"""Causal softmax attention with a short conv on q, k and v, and its KV cache.
+
+The experiments' attention mixer: the fair baseline of the synthetic tasks
+(the same short conv and SiLU on q, k and v as the KDA layer; without the
+conv it sat at the 1/N plateau on MQAR), and, with `rope=False`, Kimi
+Linear's global attention layer (arXiv 2510.26692, §4: no positional
+encoding, KDA carries position).
+
+    q, k, v = SiLU(ShortConv(x W_q)), SiLU(ShortConv(x W_k)), SiLU(ShortConv(x W_v))
+    q, k    = RoPE(q), RoPE(k)                  (rope=True)
+    o       = softmax(q k^T / sqrt(Dh) + mask) v
+    y       = o W_out
+
+The mask is causal and, with `segment_ids`, keeps each token to its own
+packed document (padding outputs zero). Scores go through
+`jax.nn.dot_product_attention`.
+
+Decoding: `init_attention_cache(...)` holds the conv tails and a key/value
+buffer of `max_len` positions; `layer(x, cache=cache)` writes the new keys
+at `cache.length` and attends over the positions written so far.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from linear_attention.modules import short_conv
+
+WEIGHT_STDDEV = 0.02  # as the KDA layer
+
+
+class AttentionCache(NamedTuple):
+  """Decode cache of one attention layer (zeros = a new sequence).
+
+  q_conv, k_conv, v_conv: [B, W - 1, H * Dh], the short convs' last inputs
+    (width 0 when conv_size <= 1).
+  k, v: [B, S, H, Dh] keys (after RoPE) and values of positions 0 .. S - 1;
+    only the first `length` are real.
+  length: [] int32, the tokens seen so far (the next token's position).
+  """
+  q_conv: jax.Array
+  k_conv: jax.Array
+  v_conv: jax.Array
+  k: jax.Array
+  v: jax.Array
+  length: jax.Array
+
+
+def init_attention_cache(batch_size: int, *, num_heads: int, head_dim: int,
+                         conv_size: int, max_len: int,
+                         dtype=jnp.float32) -> AttentionCache:
+  """An all-zero `AttentionCache` for up to `max_len` positions."""
+  if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+    raise ValueError(f"max_len must be an int >= 1; got {max_len!r}.")
+  width = max(conv_size - 1, 0)
+  tail = jnp.zeros((batch_size, width, num_heads * head_dim), dtype)
+  kv = jnp.zeros((batch_size, max_len, num_heads, head_dim), dtype)
+  return AttentionCache(q_conv=tail, k_conv=tail, v_conv=tail, k=kv, v=kv,
+                        length=jnp.zeros((), jnp.int32))
+
+
+def rope(x: jax.Array, base: float, offset=0) -> jax.Array:
+  """Rotary embedding on [B, T, H, Dh] at positions offset, offset + 1, ..."""
+  _, t, _, dh = x.shape
+  half = dh // 2
+  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  positions = offset + jnp.arange(t, dtype=jnp.float32)
+  angles = positions[:, None] * freqs[None, :]
+  cos = jnp.cos(angles)[None, :, None, :]
+  sin = jnp.sin(angles)[None, :, None, :]
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+@dataclasses.dataclass
+class ShortConvSoftmaxAttention(hk.Module):
+  """Causal softmax attention, [B, T, D] -> [B, T, D] (module docstring)."""
+
+  num_heads: int  # H
+  head_dim: int  # Dh (even, for RoPE)
+  conv_size: int = 4  # W taps of the short conv; 0 = no conv, SiLU only
+  rope_base: float = 10_000.0  # RoPE wavelength base
+  rope: bool = True  # False: no positional encoding (Kimi Linear's NoPE)
+  name: str | None = None
+
+  def init_cache(self, batch_size: int, max_len: int,
+                 dtype=jnp.float32) -> AttentionCache:
+    return init_attention_cache(
+        batch_size, num_heads=self.num_heads, head_dim=self.head_dim,
+        conv_size=self.conv_size, max_len=max_len, dtype=dtype)
+
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, *,
+               cache: AttentionCache | None = None):
+    """y [B, T, D]; with `cache`, (y, new_cache).
+
+    `segment_ids` [B, T] (1-indexed documents, 0 = padding) keep attention
+    inside each document; with a cache they are not taken (decoding runs
+    one sequence per row).
+    """
+    b, t, d = x.shape
+    h, dh = self.num_heads, self.head_dim
+    if cache is not None and segment_ids is not None:
+      raise ValueError("segment_ids are not taken with a cache: decoding"
+                       " runs one sequence per row.")
+    tails = (None,) * 3 if cache is None else cache[:3]
+    qkv, new_tails = [], []
+    for name, tail in zip("qkv", tails):
+      y = hk.Linear(h * dh, with_bias=False, name=f"{name}_proj",
+                    w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))(x)
+      if self.conv_size > 0:
+        y = short_conv.ShortConvolution(self.conv_size, activation="silu",
+                                        name=f"{name}_conv1d")(
+                                            y, segment_ids=segment_ids,
+                                            cache=tail)
+        if tail is not None:
+          y, tail = y
+      else:
+        y = jax.nn.silu(y)
+      new_tails.append(tail)
+      qkv.append(y.reshape(b, t, h, dh))
+    q, k, v = qkv
+    offset = 0 if cache is None else cache.length
+    if self.rope:
+      q, k = rope(q, self.rope_base, offset), rope(k, self.rope_base, offset)
+    if cache is None:
+      o = _attend(q, k, v, _training_mask(t, segment_ids))
+      new_cache = None
+    else:
+      keys = jax.lax.dynamic_update_slice(
+          cache.k, k.astype(cache.k.dtype), (0, cache.length, 0, 0))
+      values = jax.lax.dynamic_update_slice(
+          cache.v, v.astype(cache.v.dtype), (0, cache.length, 0, 0))
+      seen = jnp.arange(cache.k.shape[1])[None, :] <= (
+          cache.length + jnp.arange(t))[:, None]  # [T, S]
+      o = _attend(q, keys.astype(q.dtype), values.astype(q.dtype),
+                  seen[None, None])
+      new_cache = AttentionCache(*new_tails, k=keys, v=values,
+                                 length=cache.length + t)
+    if segment_ids is not None:
+      o = jnp.where((segment_ids > 0)[..., None, None], o, 0.0)
+    y = hk.Linear(d, with_bias=False, name="out",
+                  w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))(
+                      o.reshape(b, t, h * dh))
+    return y if cache is None else (y, new_cache)
+
+
+def _training_mask(t, segment_ids):
+  """[B or 1, 1, T, T]: causal, and same document with `segment_ids`.
+
+  A padding token (id 0) sees the padding before it (never a document), so
+  no row of the mask is empty; its output is zeroed by the caller.
+  """
+  causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
+  if segment_ids is None:
+    return causal
+  same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+  return causal & same
+
+
+def _attend(q, k, v, mask):
+  """softmax(q k^T / sqrt(Dh), masked) v on [B, T, H, Dh] / [B, S, H, Dh]."""
+  return jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                      implementation="xla")

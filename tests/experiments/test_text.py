@@ -1,0 +1,135 @@
+"""The byte-level text task: corpus split, packed windows, training on it.
+
+Each test writes its own small corpus (files of printable bytes); the
+windows are checked against the files read back independently.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import text as text_config
+from experiments import generate
+from experiments import tasks
+from experiments import train
+from experiments.tasks import text as text_lib
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+
+def _corpus(root, n=300, seed=0):
+  rng = np.random.default_rng(seed)
+  for i in range(n):
+    sub = os.path.join(root, f"pkg{i % 4}")
+    os.makedirs(sub, exist_ok=True)
+    size = int(rng.integers(20, 200))
+    body = bytes(rng.integers(32, 127, size).astype(np.uint8))
+    with open(os.path.join(sub, f"m{i}.py"), "wb") as f:
+      f.write(body)
+  os.makedirs(os.path.join(root, "site-packages"), exist_ok=True)
+  with open(os.path.join(root, "site-packages", "x.py"), "w") as f:
+    f.write("not the standard library")
+  return root
+
+
+def _stream(root, held_out):
+  """The split's bytes and each byte's file, read directly."""
+  files = sorted(
+      os.path.relpath(os.path.join(r, f), root)
+      for r, _, fs in os.walk(root) for f in fs
+      if f.endswith(".py") and "site-packages" not in r)
+  data, owner = b"", []
+  for i, rel in enumerate(files):
+    if text_lib.is_held_out(rel) == held_out:
+      with open(os.path.join(root, rel), "rb") as f:
+        body = f.read()
+      data += body
+      owner += [i] * len(body)
+  return np.frombuffer(data, np.uint8), np.asarray(owner)
+
+
+def test_windows_are_the_files_packed_with_their_boundaries(tmp_path):
+  root = _corpus(str(tmp_path / "src"))
+  task = tasks.make_task(name="text", seq_len=64, source_dir=root,
+                         cache_dir=str(tmp_path / "cache"))
+  fp = task.fingerprint()
+  assert fp["files"] == 300  # site-packages left out
+  assert fp["splits"]["train"]["files"] + fp["splits"]["held_out"][
+      "files"] == 300 and fp["splits"]["held_out"]["files"] >= 1
+  for split, held in ((task, False), (tasks.held_out(task), True)):
+    data, owner = _stream(root, held)
+    b = split.sample(tasks.rng(0, 0, 3), 16)
+    again = split.sample(tasks.rng(0, 0, 3), 16)
+    np.testing.assert_array_equal(b.inputs, again.inputs)
+    for row in range(16):  # find the window in the stream
+      x = np.append(b.inputs[row], b.targets[row, -1]).astype(np.uint8)
+      hits = [s for s in range(len(data) - 64)
+              if np.array_equal(data[s:s + 65], x)]
+      assert hits, row
+      s = hits[0]
+      files = owner[s:s + 65]
+      np.testing.assert_array_equal(  # ids number the files along the row
+          np.unique(files[:64], return_inverse=True)[1] + 1,
+          b.segment_ids[row])
+      np.testing.assert_array_equal(b.mask[row], files[1:] == files[:64])
+
+
+def test_held_out_files_are_not_trained_on():
+  rels = [f"lib/m{i}.py" for i in range(5000)]
+  held = [r for r in rels if text_lib.is_held_out(r)]
+  assert 0.01 < len(held) / len(rels) < 0.03
+
+
+def test_text_run_records_its_corpus_and_refuses_another(tmp_path):
+  root = _corpus(str(tmp_path / "src"))
+  config = text_config.get_config("smoke")
+  config.task.source_dir = root
+  config.task.cache_dir = str(tmp_path / "cache")
+  workdir = str(tmp_path / "run")
+  summary = train.train_and_evaluate(config, workdir)
+  assert summary["corpus"]["files"] == 300
+  assert set(summary["length_loss"]) == {
+      str(n) for n in config.train.eval_lengths}
+  with open(os.path.join(workdir, "corpus.json")) as f:
+    assert json.load(f) == summary["corpus"]
+  # Generation from the run: the CLI prints the prompt and its continuation.
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.generate", f"--workdir={workdir}",
+       "--prompt=def f(", "--max_new_tokens=12", "--temperature=0.8",
+       "--top_k=5", "--seed=1"], cwd=REPO, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.startswith("def f(") and len(out.stdout) > len("def f(")
+  again = generate.continue_text(workdir, "def f(", max_new_tokens=12,
+                                 temperature=0.8, top_k=5, seed=1)
+  assert out.stdout.rstrip("\n") == "def f(" + again.rstrip("\n")
+  with pytest.raises(ValueError, match="temperature"):
+    generate.continue_text(workdir, "x", max_new_tokens=2, temperature=-1.0,
+                           top_k=0, seed=0)
+  # The same config on other files (another Python's standard library).
+  with open(os.path.join(root, "pkg0", "m0.py"), "ab") as f:
+    f.write(b"# edited")
+  text_lib.load_corpus.cache_clear()
+  with pytest.raises(ValueError, match="another corpus"):
+    train.train_and_evaluate(config, workdir)
+
+
+def test_the_text_sweeps_models_match_in_size():
+  from configs.sweeps import text as text_sweep
+  from experiments import model as model_lib
+  from experiments import sweep_lib
+  import jax
+  import jax.numpy as jnp
+  counts = {}
+  for run in sweep_lib.expand(text_sweep.get_config()):
+    f = model_lib.make_model(run.config.model, 256)
+    params = jax.eval_shape(f.init, jax.random.key(0),
+                            jnp.zeros((1, 8), jnp.int32))
+    counts[run.mixer] = model_lib.count_params(params)
+  assert set(counts) == set(text_sweep.MLP_HIDDEN)
+  assert max(counts.values()) / min(counts.values()) < 1.01, counts
