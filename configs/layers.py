@@ -36,6 +36,8 @@ def kda_config() -> ml_collections.ConfigDict:
       num_v_heads=config_dict.placeholder(int),
       # beta = 2 sigmoid(.): transition eigenvalues in (-1, 1] (parity task).
       allow_neg_eigval=False,
+      # Tokens per chunk of the chunked backend (16 or 64); None: platform's.
+      chunk_size=config_dict.placeholder(int),
   ))
   config.lock()
   return config

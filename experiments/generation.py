@@ -4,13 +4,23 @@ Every mixer keeps a constant-cost decode state: KDA and GDN their
 recurrent state and conv tails (`KDACache`), attention its key/value buffer
 (`AttentionCache`, which grows with the context), hybrids one per layer
 (`experiments.model.init_cache`). `generate` runs the prefill and the
-decode steps in one jitted function (`lax.scan` over the new tokens).
+decode steps in one jitted function (`lax.scan` over the new tokens);
+`continue_text` does it for a trained text run (CLI `experiments.generate`).
 """
 
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from experiments import checkpoints
+from experiments import model as model_lib
+from experiments import program as program_lib
+from experiments import tasks as tasks_lib
 
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature: float,
@@ -64,3 +74,45 @@ def generate(apply, params, cache, prompt: jax.Array, key: jax.Array, *,
   keys = jax.random.split(jax.random.fold_in(key, 1), max_new_tokens)
   _, tokens = jax.lax.scan(step, (cache, first), keys)
   return jnp.moveaxis(tokens, 0, 1)
+
+
+def load_run(workdir: str):
+  """(config, model, params, step) of a run's latest checkpoint."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise ValueError(f"--workdir {workdir!r} holds no config.json (not a"
+                     " run directory).")
+  with open(path) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  task = tasks_lib.make_task(**config.task.to_dict())
+  model = model_lib.make_model(config.model, task.vocab_size)
+  params = model.init(jax.random.key(config.seed),
+                      jnp.zeros((1, 8), jnp.int32))
+  optimizer, _ = program_lib.make_optimizer(config.train)
+  params, step = checkpoints.latest_params(workdir, params,
+                                           optimizer.init(params))
+  return config, model, params, step
+
+
+def continue_text(workdir: str, prompt: str, *, max_new_tokens: int,
+                  temperature: float, top_k: int, seed: int) -> str:
+  """The run's continuation of `prompt` (bytes decoded as UTF-8)."""
+  check_sampling(temperature, top_k)
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}.")
+  config, model, params, _ = load_run(workdir)
+  if config.task.name != "text":
+    raise ValueError(f"the run in {workdir!r} trained on task"
+                     f" {config.task.name!r}; generation takes a 'text' run.")
+  tokens = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32)
+  if not len(tokens):
+    raise ValueError("--prompt must hold at least one byte.")
+  cache = model_lib.init_cache(config.model, 1,
+                               max_len=len(tokens) + max_new_tokens)
+  with model_lib.host_context(config.model):
+    out = generate(
+        model.apply, params, cache, jnp.asarray(tokens[None]),
+        jax.random.key(seed), max_new_tokens=max_new_tokens,
+        temperature=float(temperature), top_k=top_k)
+  return bytes(np.asarray(out[0], np.uint8)).decode("utf-8",
+                                                    errors="replace")

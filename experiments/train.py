@@ -215,7 +215,7 @@ RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
 # keeps that value).
 ADDED_FIELDS = {"train.eval_lengths": (), "train.length_curriculum": (),
                 "train.schedule": "cosine", "train.decay_fraction": 0.2,
-                "model.attention.rope": True}
+                "model.attention.rope": True, "model.kda.chunk_size": None}
 
 # Schedules whose num_steps may change between a run and its resumption: a
 # constant rate does not depend on it, and a "wsd" run resumes from before

@@ -63,6 +63,7 @@ def test_cached_decoding_gives_the_full_forwards_logits(name):
                          name=f"{name} logits at {i}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kda", "attention", "hybrid"])
 def test_greedy_generation_is_the_full_recomputation(name):
   model = _model(name)

@@ -130,6 +130,7 @@ def test_delayed_copy_smoke_and_config_variants(tmp_path):
     mqar.get_config("smok")
 
 
+@pytest.mark.slow
 def test_bfloat16_mixed_precision_tracks_float32(tmp_path):
   runs = {}
   for dtype in ("float32", "bfloat16"):
@@ -165,6 +166,7 @@ def test_length_generalisation_evaluates_the_final_parameters(tmp_path):
     assert json.load(f)["length_accuracy"] == acc
 
 
+@pytest.mark.slow
 def test_length_curriculum_trains_other_lengths_first_and_resumes(tmp_path):
   # The softmax baseline: the curriculum does not depend on the mixer, and
   # it compiles in a fraction of KDA's time.
@@ -230,6 +232,7 @@ def test_bad_train_values_name_the_field(tmp_path):
           str(tmp_path))
 
 
+@pytest.mark.slow
 def test_data_x_context_mesh_gives_the_single_device_run(tmp_path):
   # 2 x 2 mesh on simulated CPU devices (tests/conftest.py): the batch split
   # over "data", the sequence over "context" (KDA state passing and the conv
@@ -296,6 +299,7 @@ def test_cli_rejects_a_misspelt_override(tmp_path):
   assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_cli_mosaic_backend_runs_in_interpret_mode(tmp_path):
   result = _cli("--config=configs/mqar.py:smoke", f"--workdir={tmp_path}",
                 "--config.model.kda.backend=mosaic",

@@ -48,6 +48,7 @@ def test_palindrome_curriculum_doubles_up_from_256():
                                                            (7, 512))
 
 
+@pytest.mark.slow
 def test_extend_to_continues_the_unsolved_runs(tmp_path):
   sweep = kimi_synthetic.get_config("smoke")
   workdir = str(tmp_path)

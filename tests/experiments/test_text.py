@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import text as text_config
-from experiments import generate
+from experiments import generation
 from experiments import tasks
 from experiments import train
 from experiments.tasks import text as text_lib
@@ -105,11 +105,11 @@ def test_text_run_records_its_corpus_and_refuses_another(tmp_path):
        "--top_k=5", "--seed=1"], cwd=REPO, capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith("def f(") and len(out.stdout) > len("def f(")
-  again = generate.continue_text(workdir, "def f(", max_new_tokens=12,
+  again = generation.continue_text(workdir, "def f(", max_new_tokens=12,
                                  temperature=0.8, top_k=5, seed=1)
   assert out.stdout.rstrip("\n") == "def f(" + again.rstrip("\n")
   with pytest.raises(ValueError, match="temperature"):
-    generate.continue_text(workdir, "x", max_new_tokens=2, temperature=-1.0,
+    generation.continue_text(workdir, "x", max_new_tokens=2, temperature=-1.0,
                            top_k=0, seed=0)
   # The same config on other files (another Python's standard library).
   with open(os.path.join(root, "pkg0", "m0.py"), "ab") as f:

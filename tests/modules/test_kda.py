@@ -211,6 +211,7 @@ class KimiDeltaAttentionTest(chex.TestCase):
     testing.assert_close(grads[1], want_grads[1], rtol=F32_RTOL, name="dx")
     _assert_tree_close(grads[0], want_grads[0], F32_RTOL, "dparams")
 
+  @pytest.mark.slow
   def test_reference_and_chunked_agree_with_segments(self, lower_bound=None):
     x = _x(2, 70)  # crosses a chunk boundary, not a multiple of 64
     seg = np.array([[1] * 30 + [2] * 35 + [0] * 5,
@@ -225,6 +226,7 @@ class KimiDeltaAttentionTest(chex.TestCase):
     testing.assert_close(g_c[1], g_r[1], rtol=F32_RTOL, name="dx")
     _assert_tree_close(g_c[0], g_r[0], F32_RTOL, "dparams")
 
+  @pytest.mark.slow
   def test_mosaic_matches_reference(self):
     # Measured relative L2 vs reference: mosaic 2.9e-7 (y), 3.7e-7 (dx),
     # <= 1.5e-6 (dparams); chunked on the same case 2.5e-7, 3.5e-7, 5.4e-7.

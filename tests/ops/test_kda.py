@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from linear_attention import ops
 from linear_attention import testing
@@ -184,6 +185,7 @@ class ChunkedVsReferenceTest(chex.TestCase):
     assert_all_close(actual, expected, rtol=1e-5)
 
   @chex.variants(with_jit=True, without_jit=True)
+  @pytest.mark.slow
   def test_eager_and_jit_agree_with_reference(self):
     # Op-by-op dispatch is slow: one small packed case covers the eager path.
     case = Case(b=1, t=70, segments=True)
@@ -288,6 +290,7 @@ class MosaicVsReferenceTest(parameterized.TestCase):
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=rtol)
 
+  @pytest.mark.slow
   def test_any_segment_layout_forward_and_gradients(self):
     # Leading and inner padding, ids out of order and skipped, a segment
     # that continues across padding (one run), a segment absent from a row.

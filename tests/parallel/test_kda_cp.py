@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
+import pytest
 
 from linear_attention import ops
 from linear_attention import testing
@@ -168,6 +169,7 @@ class MosaicContextParallelTest(parameterized.TestCase):
   }
 
   @parameterized.parameters("packed", "any_layout", "unpacked")
+  @pytest.mark.slow
   def test_interpret_mode_matches_reference(self, layout):
     # tokamax's kernel in Pallas interpret mode (about a minute): 2 ranks,
     # K = V = 128.

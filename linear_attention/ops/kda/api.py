@@ -249,9 +249,10 @@ def kimi_delta_attention(
             allow_neg_eigval=allow_neg_eigval)
   # The one decision. A decode piece continues a state where a chunked form
   # would pad it: any T without segments (Mosaic takes only multiples of
-  # 64), a piece shorter than a chunk with them.
+  # 64), a piece shorter than a chunk with them; never a context-parallel
+  # shard (a slice of a long sequence).
   t = q.shape[1]
-  decode = initial_state is not None and (
+  decode = initial_state is not None and context_axis is None and (
       segment_ids is None or t < backends.MOSAIC_CHUNK)
   backend = backends.resolve(backend, decode_len=t if decode else None)
   tuning = _tuning(backend, chunk_size, group_width)
@@ -359,7 +360,8 @@ def host_context(backend: "str | Backend"):
       and jax.default_backend() != "tpu"):
     logging.info(
         "KDA backend is mosaic and the default device is %s, not a TPU:"
-        " running in Pallas interpret mode (slow).", jax.default_backend())
+        " running inside linear_attention.ops.kda.mosaic.interpret_mode()"
+        " (Pallas interpret mode, slow).", jax.default_backend())
     return mosaic.interpret_mode()
   return contextlib.nullcontext()
 
