@@ -99,10 +99,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _check(f"train.{field}", tr[field] % config.mesh.data == 0,
            f"a multiple of mesh.data ({config.mesh.data})", tr[field])
   if config.mesh.context > 1:
-    if config.model.mixer == "attention":
+    if "attention" in model_lib.layer_mixers(config.model):
       raise NotImplementedError(
-          "model.mixer='attention' (the softmax baseline) has no context"
-          " parallelism; use mesh.context=1 for it.")
+          f"model.mixer={config.model.mixer!r} has an attention layer, which"
+          " has no context parallelism; use mesh.context=1 for it.")
     if model_lib.uses_kda(config.model) and config.model.kda.context_axis is not None:
       raise ValueError(
           "model.kda.context_axis must be None: mesh.context sets it; got"

@@ -260,6 +260,9 @@ def test_data_x_context_mesh_gives_the_single_device_run(tmp_path):
      " mesh.context"),
     ({"mesh.context": 2, "model.mixer": "attention"}, NotImplementedError,
      "no context parallelism"),
+    ({"mesh.context": 2, "model.mixer": "kda,attention",
+      "model.num_layers": 2}, NotImplementedError,
+     "has an attention layer"),
 ])
 def test_bad_mesh_values_name_the_field(tmp_path, diff, error, match):
   with pytest.raises(error, match=match):
