@@ -41,7 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       mlp_hidden=384, num_heads=2, head_dim=64, conv_size=4)
   config.model.attention.rope = False  # Kimi Linear's global layers: NoPE
   config.train = config_lib.train_config(
-      num_steps=2000, batch_size=16, learning_rate=1e-3, warmup_steps=100,
+      num_steps=800, batch_size=16, learning_rate=1e-3, warmup_steps=100,
       schedule="cosine", eval_every=100, eval_batches=8, eval_batch_size=16,
       checkpoint_every=200, eval_lengths=EVAL_LENGTHS)
   config.mesh = config_lib.mesh_config()

@@ -5,8 +5,12 @@ absorbs its mixer's parameters): `kda` (MLP 384), `gdn` (448), `attention`
 with RoPE (512), `attention_nope` (512, no positional encoding) and
 `hybrid`, Kimi Linear's 3:1 "kda,kda,kda,attention" with NoPE attention
 (416). Every run is configs/text.py's (4 layers of width 128, T = 256, batch
-16, one token budget for all), 2 seeds; held-out bits per byte at T = 256
-and at 2x..16x it.
+16, 800 steps: one token budget of 3.3M bytes for all), 2 seeds; held-out
+bits per byte at T = 256 and at 2x..16x it. The budget is what ten runs
+cost in about two hours on a 2-core machine (a run takes about 22 minutes
+of one core: 0.7 steps a second, plus 2-3 minutes of evaluation at up to
+4096 bytes); the learning rate (1e-3, cosine to 0.1x after 100 warm-up
+steps) is the one the synthetic calibration found good for KDA and GDN.
 
   python -m experiments.sweep --config=configs/sweeps/text.py \
       --workdir=workdirs/text
