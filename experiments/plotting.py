@@ -42,7 +42,8 @@ def plot_bands_by_task(
     tasks: Sequence[str], mixers: Sequence[str],
     chance: Mapping[str, float | None], log_x: bool, xlabel: str,
     ylabel: str, title: str, path: str,
-    rising: Mapping[tuple[str, str], Sequence[bool]] | None = None) -> None:
+    rising: Mapping[tuple[str, str], Sequence[bool]] | None = None,
+    percent: bool = True) -> None:
   """One panel per task; per mixer a mean line with a min-max band.
 
   Args:
@@ -57,6 +58,8 @@ def plot_bands_by_task(
     path: where to write the PNG.
     rising: (task, mixer) -> per point, whether a run behind it was still
       rising at its step cap (drawn as a large open marker).
+    percent: the values are fractions drawn as percent on a 0-100 axis;
+      False draws them as they are (a loss), on an axis fitted to them.
   """
   # At least 7.5 inches wide: one panel still fits the title and legend.
   fig, axes = plt.subplots(1, len(tasks),
@@ -69,7 +72,7 @@ def plot_bands_by_task(
       if (task, mixer) not in series:
         continue
       x, mean, low, high, count = series[(task, mixer)]
-      pct = lambda v: [100 * a for a in v]
+      pct = lambda v: [(100 if percent else 1) * a for a in v]  # as drawn
       ax.plot(x, pct(mean), marker="o", markersize=3, color=colors[mixer],
               label=mixer)
       ax.fill_between(x, pct(low), pct(high), color=colors[mixer],
@@ -77,23 +80,24 @@ def plot_bands_by_task(
       flags = (rising or {}).get((task, mixer), ())
       open_x = [xi for xi, f in zip(x, flags) if f]
       if open_x:
-        ax.plot(open_x, [100 * m for m, f in zip(mean, flags) if f],
+        ax.plot(open_x, pct([m for m, f in zip(mean, flags) if f]),
                 linestyle="none", marker="o", markersize=8,
                 markerfacecolor="none", color=colors[mixer],
                 label=RISING_LABEL)
       if len(counts) > 1:
-        ax.annotate(f"n={count[-1]}", (x[-1], 100 * mean[-1]), fontsize=6,
+        ax.annotate(f"n={count[-1]}", (x[-1], pct(mean)[-1]), fontsize=6,
                     color=colors[mixer], xytext=(3, 0),
                     textcoords="offset points")
     if chance.get(task) is not None:
-      ax.axhline(100 * chance[task], color="gray", linestyle="--",
+      ax.axhline(pct([chance[task]])[0], color="gray", linestyle="--",
                  linewidth=1, label="chance")
     if log_x:
       ax.set_xscale("log", base=2)
       xs = sorted({v for (t, _), s in series.items() if t == task
                    for v in s[0]})
       ax.set_xticks(xs, [str(int(v)) for v in xs])
-    ax.set_ylim(-2, 102)
+    if percent:
+      ax.set_ylim(-2, 102)
     ax.set_title(task)
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)

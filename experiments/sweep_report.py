@@ -7,7 +7,9 @@ the runs' statuses (`metrics.run_status`: solved, plateaued or rising at
 cap); per cell, the first mixer's per-seed difference from each other one
 with a verdict (`compare`); one row per run;
 with `train.eval_lengths`, a second table of the final parameters' accuracy
-at each evaluation length, and `length_generalisation.png`) and two
+at each evaluation length, and `length_generalisation.png`; on a byte
+corpus (`text`), a table of held-out bits per byte at the training length
+and each evaluation length, with `bits_per_byte_vs_length.png`) and two
 figures: `accuracy_vs_length.png` (per task, mean with a min-max
 band over seeds) and `curves_T<len>.png` (held-out accuracy against step at
 one length, mean and band). With several learning rates a cell reports the
@@ -20,6 +22,7 @@ out); a run's status and training time come from its metrics.
 """
 
 import json
+import math
 import os
 from typing import Any, Sequence
 
@@ -66,7 +69,23 @@ def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
   summary["commits"] = sweep_lib.read_commits(run_dir)
   summary["eval_steps"] = [r["step"] for r in evals]
   summary["eval_accuracy"] = [r["accuracy"] for r in evals]
+  summary["bits_per_byte"] = _bits_per_byte(summary)
   return summary
+
+
+def _bits_per_byte(summary) -> dict[str, float] | None:
+  """{length: held-out bits per byte} of a run on a byte corpus, else None.
+
+  A task on a corpus (`text`, whose summary records the corpus) has one
+  token a byte, so its loss in bits is bits per byte: the final evaluation
+  at the training length, then each of `train.eval_lengths`.
+  """
+  if "corpus" not in summary or summary.get("final_eval_loss") is None:
+    return None
+  bits = {str(summary["seq_len"]): summary["final_eval_loss"] / math.log(2)}
+  for n, loss in (summary.get("length_loss") or {}).items():
+    bits[n] = loss / math.log(2)
+  return dict(sorted(bits.items(), key=lambda kv: int(kv[0])))
 
 
 def _stats(values: Sequence[float]) -> dict[str, float] | None:
@@ -121,6 +140,9 @@ def aggregate(sweep, workdir: str, *,
                            .get("length_curriculum", ())],
         train_seconds=float(sum(s["train_seconds"] for _, s in items)),
         length_accuracy=_length_stats(s for _, s in items),
+        bits_per_byte=_length_stats((s for _, s in items),
+                                    key="bits_per_byte"),
+        num_params=items[0][1].get("num_params"),
     ))
   order = {m: i for i, m in enumerate(
       list(sweep.mixers) + [sweep.get("ablation", {}).get("mixer")])}
@@ -182,11 +204,12 @@ def compare(cells: Sequence[dict[str, Any]],
   return sorted(out, key=lambda c: (c["task"], c["seq_len"], c["other"]))
 
 
-def _length_stats(summaries) -> dict[str, dict[str, float]] | None:
-  """{length: stats over seeds} of summary.json's `length_accuracy`."""
+def _length_stats(summaries, key: str = "length_accuracy"
+                  ) -> dict[str, dict[str, float]] | None:
+  """{length: stats over seeds} of the summaries' `key` ({length: value})."""
   by_len: dict[str, list[float]] = {}
   for s in summaries:
-    for n, acc in (s.get("length_accuracy") or {}).items():
+    for n, acc in (s.get(key) or {}).items():
       by_len.setdefault(n, []).append(acc)
   if not by_len:
     return None
@@ -264,8 +287,31 @@ def results_markdown(results: dict[str, Any]) -> str:
                f" {_pct(acc[str(n)], 'max')}]") for n in lengths]
       lines.append(f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
                    f" {len(r['seeds'])} | " + " | ".join(cols) + " |")
+  lines += _bits_lines(results["cells"])
   lines += _run_lines(results.get("runs", ()))
   return "\n".join(lines) + "\n"
+
+
+def _bits_lines(cells) -> list[str]:
+  """The bits-per-byte table of the cells on a byte corpus (or none)."""
+  cells = [r for r in cells if r.get("bits_per_byte")]
+  if not cells:
+    return []
+  lengths = sorted({int(n) for r in cells for n in r["bits_per_byte"]})
+  lines = ["", "## Held-out bits per byte at each evaluation length (final"
+           " parameters), mean [min, max] over seeds", "",
+           "| task | T trained | mixer | parameters | seeds | "
+           + " | ".join(f"T={n}" for n in lengths) + " |",
+           "|---|---|---|---|---|" + "---|" * len(lengths)]
+  for r in cells:
+    bits = r["bits_per_byte"]
+    cols = [("-" if str(n) not in bits else
+             f"{bits[str(n)]['mean']:.3f} [{bits[str(n)]['min']:.3f},"
+             f" {bits[str(n)]['max']:.3f}]") for n in lengths]
+    lines.append(f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
+                 f" {r['num_params'] or '-'} | {len(r['seeds'])} | "
+                 + " | ".join(cols) + " |")
+  return lines
 
 
 def _statuses(statuses) -> str:
@@ -340,15 +386,39 @@ def plot_length_generalisation(results: dict[str, Any], mixers,
   return True
 
 
+def plot_bits_per_byte(results: dict[str, Any], mixers, path: str) -> bool:
+  """Held-out bits per byte vs evaluation length, one panel per trained
+  cell; False if no cell is on a byte corpus."""
+  cells = [c for c in results["cells"] if c.get("bits_per_byte")]
+  if not cells:
+    return False
+  series = {}
+  for c in cells:
+    panel = f"{c['task']} trained at T={c['seq_len']}"
+    bits = c["bits_per_byte"]
+    series[(panel, c["mixer"])] = ([int(n) for n in bits], *(
+        [bits[n][k] for n in bits] for k in ("mean", "min", "max", "count")))
+  plotting.plot_bands_by_task(
+      series, tasks=list(dict.fromkeys(p for p, _ in series)), mixers=mixers,
+      chance={}, log_x=True, xlabel="evaluation length T (bytes)",
+      ylabel="held-out bits per byte", percent=False,
+      title="final parameters at the training length and longer (mean, band:"
+      " min-max over seeds)", path=path)
+  return True
+
+
 def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
   """accuracy_vs_length.png, curves_T<len>.png for the curve length and,
-  with evaluation lengths, length_generalisation.png."""
+  with evaluation lengths, length_generalisation.png (and, on a byte corpus,
+  bits_per_byte_vs_length.png)."""
   cells = results["cells"]
   tasks = sorted({c["task"] for c in cells})
   mixers = [m for m in list(sweep.mixers) + [
       sweep.get("ablation", {}).get("mixer")] if m]
   plot_length_generalisation(
       results, mixers, os.path.join(workdir, "length_generalisation.png"))
+  plot_bits_per_byte(
+      results, mixers, os.path.join(workdir, "bits_per_byte_vs_length.png"))
   series, rising = {}, {}
   for task in tasks:
     for mixer in mixers:

@@ -16,7 +16,7 @@ steps) is the one the synthetic calibration found good for KDA and GDN.
       --workdir=workdirs/text
 
 Not yet run (docs/experiments.md, Text). Variant `:smoke` (tests): the
-smoke model, kda and hybrid, one seed.
+smoke model (2 layers), kda and a 1:1 hybrid, one seed.
 """
 
 import ml_collections
@@ -60,8 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.learning_rates = (base.train.learning_rate,)
   config.curve_seq_len = base.task.seq_len
   if arg == "smoke":
-    config.variants = {"kda": VARIANTS["kda"][:1],
-                       "hybrid": VARIANTS["hybrid"][:1]}
+    config.variants = {"kda": VARIANTS["kda"][:1],  # 2 layers: hybrid 1:1
+                       "hybrid": (("model.mixer", "kda,attention"),)}
     config.mixers = ("kda", "hybrid")
     config.seeds = (0,)
   return config

@@ -133,3 +133,41 @@ def test_the_text_sweeps_models_match_in_size():
     counts[run.mixer] = model_lib.count_params(params)
   assert set(counts) == set(text_sweep.MLP_HIDDEN)
   assert max(counts.values()) / min(counts.values()) < 1.01, counts
+
+
+def test_text_sweep_reports_bits_per_byte_per_length(tmp_path):
+  from configs.sweeps import text as text_sweep
+  from experiments import metrics as metrics_lib
+  from experiments import sweep_lib
+  from experiments import sweep_report
+  root = _corpus(str(tmp_path / "src"))
+  sweep = text_sweep.get_config("smoke")
+  task = dict(sweep.cells[0]["task"], source_dir=root,
+              cache_dir=str(tmp_path / "cache"))
+  sweep.cells = (dict(sweep.cells[0], task=task),)
+  workdir = str(tmp_path / "sweep")
+  sweep_lib.run_sweep(sweep, workdir, code_version="test")
+  results = sweep_report.aggregate(sweep, workdir)
+  assert results["num_finished"] == 2
+  for run in results["runs"]:  # bits = the run's own logged losses / ln 2
+    records = metrics_lib.read_records(
+        os.path.join(workdir, run["name"], "metrics.jsonl"))
+    last_eval = [r for r in records if r["split"] == "eval"][-1]
+    with open(os.path.join(workdir, run["name"], "summary.json")) as f:
+      lengths = json.load(f)["length_loss"]
+    want = {"32": last_eval["loss"] / np.log(2),
+            **{n: v / np.log(2) for n, v in lengths.items()}}
+    assert run["bits_per_byte"].keys() == want.keys()
+    np.testing.assert_allclose([run["bits_per_byte"][n] for n in want],
+                               list(want.values()), rtol=1e-12)
+    assert 0 < min(want.values()) and max(want.values()) < 9  # <= 8 + noise
+  for cell in results["cells"]:  # one seed: mean = min = max = the run's
+    run = next(r for r in results["runs"]
+               if r["name"].split("/")[1].startswith(cell["mixer"] + "_"))
+    assert cell["num_params"] == run["num_params"]
+    for n, value in run["bits_per_byte"].items():
+      assert cell["bits_per_byte"][n]["mean"] == pytest.approx(value)
+  with open(os.path.join(workdir, "results.md")) as f:
+    md = f.read()
+  assert "bits per byte" in md and "| T=32 | T=64 |" in md
+  assert os.path.exists(os.path.join(workdir, "bits_per_byte_vs_length.png"))
