@@ -62,6 +62,13 @@ def generate(apply, params, cache, prompt: jax.Array, key: jax.Array, *,
     key: the sampling key (unused when greedy).
     max_new_tokens, temperature, top_k: see `sample`.
   """
+  need = prompt.shape[1] + max_new_tokens
+  held = model_lib.cache_positions(cache)
+  if held is not None and held < need:
+    raise ValueError(
+        f"the cache holds {held} positions (init_cache's max_len), fewer than"
+        f" the prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens})"
+        f" = {need}.")
   logits, cache = apply(params, prompt, None, cache)
   first = sample(logits[:, -1], key, temperature=temperature, top_k=top_k)
 

@@ -176,6 +176,15 @@ def init_cache(model, batch_size: int, max_len: int) -> tuple:
   return tuple(out)
 
 
+def cache_positions(cache) -> int | None:
+  """How many positions `cache` (`init_cache`'s) holds: its attention
+  layers' key/value buffer length, or None when no layer has a bound (KDA
+  and GDN keep a state of one size at any length)."""
+  lengths = [layer.k.shape[1] for layer in cache
+             if isinstance(layer, attention_lib.AttentionCache)]
+  return min(lengths) if lengths else None
+
+
 def validate_model_config(model, vocab_size: int) -> None:
   """Raises ValueError naming the field for a bad `config.model`."""
   for field in ("num_layers", "d_model", "mlp_hidden"):

@@ -5,12 +5,15 @@ then token-by-token decoding equal the full forward's at every position, and
 greedy generation equals recomputing the whole sequence for each token.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import common as config_lib
+from configs import text as text_config
 from experiments import generation
 from experiments import model as model_lib
 from linear_attention import testing
@@ -117,3 +120,25 @@ def test_a_bad_mixer_pattern_names_the_field():
   model.mixer = "kda,softmax"
   with pytest.raises(ValueError, match="model.mixer"):
     model_lib.make_model(model, VOCAB)
+
+
+def test_generation_refuses_a_cache_too_short_or_a_run_without_checkpoint(
+    tmp_path):
+  model = _model("hybrid")
+  f, params = _params(model)
+  prompt = jnp.zeros((1, 6), jnp.int32)
+  short = model_lib.init_cache(model, 1, max_len=15)
+  with pytest.raises(ValueError, match=r"max_len.*\(6\).*\(10\) = 16"):
+    generation.generate(f.apply, params, short, prompt, jax.random.key(0),
+                        max_new_tokens=10)
+  assert model_lib.cache_positions(short) == 15
+  # KDA's state has no length bound.
+  assert model_lib.cache_positions(
+      model_lib.init_cache(_model("kda"), 1, max_len=1)) is None
+  # A run directory with its config but no checkpoint yet.
+  with open(tmp_path / "config.json", "w") as fh:
+    json.dump(text_config.get_config("smoke").to_dict(), fh)
+  with pytest.raises(ValueError, match="no checkpoint"):
+    generation.load_run(str(tmp_path))
+  with pytest.raises(ValueError, match="no config.json"):
+    generation.load_run(str(tmp_path / "missing"))
