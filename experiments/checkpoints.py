@@ -33,7 +33,7 @@ def manager(workdir: str, keep_steps=()) -> ocp.CheckpointManager:
       ocp.checkpoint_managers.LatestN(2),
       ocp.checkpoint_managers.CustomSteps(list(keep_steps))])
   return ocp.CheckpointManager(
-      os.path.join(workdir, "checkpoints"),
+      os.path.join(os.path.abspath(workdir), "checkpoints"),  # orbax: absolute
       options=ocp.CheckpointManagerOptions(preservation_policy=policy,
                                            create=True))
 

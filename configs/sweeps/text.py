@@ -15,7 +15,8 @@ steps) is the one the synthetic calibration found good for KDA and GDN.
   python -m experiments.sweep --config=configs/sweeps/text.py \
       --workdir=workdirs/text
 
-Not yet run (docs/experiments.md, Text). Variant `:smoke` (tests): the
+Results: results/text/ (trained at commit c7fe319; README, and
+docs/experiments.md, Text). Variant `:smoke` (tests): the
 smoke model (2 layers), kda and a 1:1 hybrid, one seed.
 """
 

@@ -98,9 +98,11 @@ def test_text_run_records_its_corpus_and_refuses_another(tmp_path):
       str(n) for n in config.train.eval_lengths}
   with open(os.path.join(workdir, "corpus.json")) as f:
     assert json.load(f) == summary["corpus"]
-  # Generation from the run: the CLI prints the prompt and its continuation.
+  # Generation from the run: the CLI prints the prompt and its continuation
+  # (the workdir given relative to where it runs).
   out = subprocess.run(
-      [sys.executable, "-m", "experiments.generate", f"--workdir={workdir}",
+      [sys.executable, "-m", "experiments.generate",
+       f"--workdir={os.path.relpath(workdir, REPO)}",
        "--prompt=def f(", "--max_new_tokens=12", "--temperature=0.8",
        "--top_k=5", "--seed=1"], cwd=REPO, capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
