@@ -270,47 +270,41 @@ def results_markdown(results: dict[str, Any]) -> str:
         f" {_statuses(r.get('statuses'))} |"
         f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
   lines += _comparison_lines(results.get("comparisons", ()))
-  with_lengths = [r for r in results["cells"] if r.get("length_accuracy")]
-  if with_lengths:
-    lengths = sorted({int(n) for r in with_lengths
-                      for n in r["length_accuracy"]})
-    lines += [
-        "", "## Length generalisation: final parameters' held-out accuracy %"
-        " at each length, mean [min, max] over seeds", "",
-        "| task | T trained | mixer | seeds | "
-        + " | ".join(f"T={n}" for n in lengths) + " |",
-        "|---|---|---|---|" + "---|" * len(lengths)]
-    for r in with_lengths:
-      acc = r["length_accuracy"]
-      cols = [("-" if str(n) not in acc else
-               f"{_pct(acc[str(n)], 'mean')} [{_pct(acc[str(n)], 'min')},"
-               f" {_pct(acc[str(n)], 'max')}]") for n in lengths]
-      lines.append(f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
-                   f" {len(r['seeds'])} | " + " | ".join(cols) + " |")
-  lines += _bits_lines(results["cells"])
+  lines += _length_lines(
+      results["cells"], "length_accuracy", "Length generalisation: final"
+      " parameters' held-out accuracy % at each length",
+      lambda st, k: _pct(st, k))
+  lines += _length_lines(
+      results["cells"], "bits_per_byte", "Held-out bits per byte at each"
+      " evaluation length (final parameters)", lambda st, k: f"{st[k]:.3f}",
+      with_params=True)
   lines += _run_lines(results.get("runs", ()))
   return "\n".join(lines) + "\n"
 
 
-def _bits_lines(cells) -> list[str]:
-  """The bits-per-byte table of the cells on a byte corpus (or none)."""
-  cells = [r for r in cells if r.get("bits_per_byte")]
+def _length_lines(cells, key: str, heading: str, fmt, *,
+                  with_params: bool = False) -> list[str]:
+  """A table of the cells' `key` ({length: stats}) at each length, mean
+  [min, max] over seeds, each stat written by `fmt(stats, "mean")`; none
+  when no cell has `key`."""
+  cells = [r for r in cells if r.get(key)]
   if not cells:
     return []
-  lengths = sorted({int(n) for r in cells for n in r["bits_per_byte"]})
-  lines = ["", "## Held-out bits per byte at each evaluation length (final"
-           " parameters), mean [min, max] over seeds", "",
-           "| task | T trained | mixer | parameters | seeds | "
-           + " | ".join(f"T={n}" for n in lengths) + " |",
-           "|---|---|---|---|---|" + "---|" * len(lengths)]
+  lengths = sorted({int(n) for r in cells for n in r[key]})
+  extra = ["parameters"] if with_params else []
+  lines = ["", f"## {heading}, mean [min, max] over seeds", "",
+           "| " + " | ".join(["task", "T trained", "mixer"] + extra
+                             + ["seeds"] + [f"T={n}" for n in lengths])
+           + " |", "|---|---|---|" + "---|" * (len(extra) + 1 + len(lengths))]
   for r in cells:
-    bits = r["bits_per_byte"]
-    cols = [("-" if str(n) not in bits else
-             f"{bits[str(n)]['mean']:.3f} [{bits[str(n)]['min']:.3f},"
-             f" {bits[str(n)]['max']:.3f}]") for n in lengths]
-    lines.append(f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
-                 f" {r['num_params'] or '-'} | {len(r['seeds'])} | "
-                 + " | ".join(cols) + " |")
+    stats = r[key]
+    cols = [("-" if str(n) not in stats else
+             f"{fmt(stats[str(n)], 'mean')} [{fmt(stats[str(n)], 'min')},"
+             f" {fmt(stats[str(n)], 'max')}]") for n in lengths]
+    first = [r["task"], str(r["seq_len"]), r["mixer"]] + (
+        [str(r["num_params"] or "-")] if with_params else [])
+    lines.append("| " + " | ".join(first + [str(len(r["seeds"]))] + cols)
+                 + " |")
   return lines
 
 
