@@ -20,7 +20,7 @@ The mesh (config.mesh) must then span every device of every process.
 The config is locked: a misspelt override fails before anything runs.
 Rerunning with the same workdir resumes from the latest checkpoint. With
 `model.kda.backend=mosaic` on a machine whose default device is not a TPU,
-the run goes inside `linear_attention.ops.kda.mosaic.interpret_mode()`.
+the run goes inside `experiments.interpret.interpret_mode()`.
 Flags are read here, in `main`, and nowhere else.
 """
 

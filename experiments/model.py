@@ -36,12 +36,14 @@ import contextlib
 import dataclasses
 from typing import Any, Callable
 
+from absl import logging
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import attention as attention_lib
+from experiments import interpret
 from linear_attention.modules import kda as kda_module
 from linear_attention.ops.kda import api as kda_api
 
@@ -259,10 +261,19 @@ def kda_backend(model) -> str | None:
 
 
 def host_context(model):
-  """What running the model on this host needs (the op's `host_context`)."""
-  if not uses_kda(model):
+  """What running the model on this host needs, as a context manager.
+
+  Pallas interpret mode (`experiments.interpret`: seconds per call, tiny
+  shapes only) when the op says its backend runs interpreted here (`mosaic`
+  off TPU); nothing otherwise.
+  """
+  if not (uses_kda(model) and kda_api.runs_interpreted(model.kda.backend)):
     return contextlib.nullcontext()
-  return kda_api.host_context(model.kda.backend)
+  logging.info(
+      "KDA backend is mosaic and the default device is %s, not a TPU:"
+      " running inside experiments.interpret.interpret_mode() (Pallas"
+      " interpret mode, slow).", jax.default_backend())
+  return interpret.interpret_mode()
 
 
 def count_params(params) -> int:

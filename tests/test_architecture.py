@@ -261,3 +261,50 @@ def test_a_planted_patch_is_caught():
                           "def t(monkeypatch):\n"
                           "  monkeypatch.setattr(logging, 'info', None)\n"
                           ) == []
+
+
+# Library hygiene: `linear_attention` never prints, reads flags or the
+# environment, or patches another package (experiments/ may: it is the
+# program; e.g. experiments/interpret.py for Pallas interpret mode).
+IMPURE_IMPORTS = ("unittest.mock", "mock", "absl.flags")
+IMPURE_NAMES = ("os.environ", "os.getenv", "os.putenv", "print",
+                "mock.patch", "setattr")
+
+
+def _impurities(source: str) -> list[str]:
+  """`line: what` for each impure import or use in a library module."""
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      names = [f"{node.module}.{a.name}" for a in node.names]
+    else:
+      names = []
+    found += [f"{node.lineno}: import {n}" for n in names if any(
+        n == m or n.startswith(m + ".") for m in IMPURE_IMPORTS)]
+    if isinstance(node, (ast.Name, ast.Attribute)):
+      name = _dotted(node)
+      if name in IMPURE_NAMES:
+        found.append(f"{node.lineno}: {name}")
+  return sorted(found, key=lambda f: int(f.split(":")[0]))
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n in MODULES if n.startswith("linear_attention")))
+def test_the_library_is_pure(name):
+  with open(MODULES[name]) as f:
+    found = _impurities(f.read())
+  assert not found, (f"{name} prints, reads flags or the environment, or"
+                     f" patches: {found}. Log with absl.logging; take values"
+                     " as arguments; leave switches to experiments/.")
+
+
+def test_planted_impurities_are_caught():
+  assert _impurities(
+      "import os\nfrom unittest import mock\nfrom absl import flags\n"
+      "x = os.environ.get('A')\nprint(x)\nsetattr(os, 'y', 1)\n") == [
+          "2: import unittest.mock", "3: import absl.flags",
+          "4: os.environ", "5: print", "6: setattr"]
+  assert _impurities("from absl import logging\nimport os\n"
+                     "logging.info(os.path.join('a', 'b'))\n") == []

@@ -309,7 +309,7 @@ def test_cli_mosaic_backend_runs_in_interpret_mode(tmp_path):
                 "--config.train.num_steps=1", "--config.train.warmup_steps=0",
                 "--config.train.eval_every=1", "--alsologtostderr")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "mosaic.interpret_mode" in result.stderr
+  assert "interpret.interpret_mode" in result.stderr
   with open(tmp_path / "summary.json") as f:
     summary = json.load(f)
   assert summary["backend"] == "mosaic" and summary["steps"] == 1

@@ -21,10 +21,10 @@ import tokamax
 
 from configs import common as config_common
 from configs import layers as layer_configs
+from experiments import interpret
 from experiments import model as model_lib
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.ops.kda import mosaic
 from linear_attention.modules import KDACache
 from linear_attention.modules import KimiDeltaAttention
 from linear_attention.modules import kda as kda_module
@@ -235,7 +235,7 @@ class KimiDeltaAttentionTest(chex.TestCase):
     params = _params(f_ref, x)
     y_r, g_r = _loss_and_grads(jax.jit(f_ref.apply), params, x)
     f_mos = _transform(backend="mosaic")
-    with mosaic.interpret_mode():
+    with interpret.interpret_mode():
       y_m, g_m = _loss_and_grads(jax.jit(f_mos.apply), params, x)
     testing.assert_close(y_m, y_r, rtol=1e-4, name="y")
     testing.assert_close(g_m[1], g_r[1], rtol=1e-4, name="dx")

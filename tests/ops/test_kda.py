@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import interpret
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda.chunked import grouped as chunked_grouped
 from tests.kda_oracle import kda_numpy
@@ -285,7 +285,7 @@ class MosaicVsReferenceTest(parameterized.TestCase):
   )
   def test_forward_and_gradients(self, case, rtol=1e-5):
     args, kw = make_inputs(case)
-    with mosaic.interpret_mode():
+    with interpret.interpret_mode():
       actual = loss_and_grads(args, kw, "mosaic")
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=rtol)
@@ -299,7 +299,7 @@ class MosaicVsReferenceTest(parameterized.TestCase):
     seg[0] = [0] * 5 + [2] * 20 + [1] * 15 + [0] * 5 + [1] * 10 + [4] * 15
     seg[1] = [3] * 30 + [0] * 6 + [3] * 14 + [2] * 20
     kw["segment_ids"] = jnp.asarray(seg)
-    with mosaic.interpret_mode():
+    with interpret.interpret_mode():
       actual = loss_and_grads(args, kw, "mosaic")
     expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
     assert_all_close(actual, expected, rtol=1e-5)
@@ -307,7 +307,7 @@ class MosaicVsReferenceTest(parameterized.TestCase):
     # segments: with states, more runs than slots cannot run.
     seg[1] = [1] * 20 + [2] * 20 + [1] * 20 + [3] * 5 + [4] * 5
     kw["segment_ids"] = jnp.asarray(seg)
-    with mosaic.interpret_mode(), self.assertRaisesRegex(
+    with interpret.interpret_mode(), self.assertRaisesRegex(
         NotImplementedError, "a row here has 5 runs"):
       ops.kimi_delta_attention(**args, output_final_state=True,
                                backend="mosaic", **kw)
@@ -317,7 +317,7 @@ class MosaicVsReferenceTest(parameterized.TestCase):
     args, kw = make_inputs(Case(b=1, t=63, h=1, k=16, v=16, init=False))
     with self.assertRaisesRegex(NotImplementedError, "interpret"):
       ops.kimi_delta_attention(**args, backend="mosaic", **kw)
-    with mosaic.interpret_mode():
+    with interpret.interpret_mode():
       with self.assertRaisesRegex(NotImplementedError, "multiple of 64"):
         ops.kimi_delta_attention(**args, backend="mosaic", **kw)
       args64, kw64 = make_inputs(Case(b=1, t=64, h=1, k=16, v=16,

@@ -6,11 +6,14 @@ forward, and the forward and backward kernels of the VJP), with and without
 packed segments. Nothing runs; only tracing and lowering.
 """
 
+import os
+
 import jax
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import pytest
 
+from experiments import interpret
 from linear_attention import ops
 from linear_attention.ops import backends
 from linear_attention.ops.kda import mosaic
@@ -56,7 +59,7 @@ def test_outside_the_mode_mosaic_raises_off_tpu_and_chips_parse():
   assert mosaic.off_tpu_mode() is None
   with mosaic.lowering_mode("v5p"):
     assert mosaic.off_tpu_mode() == "lowering"
-    with mosaic.interpret_mode():
+    with interpret.interpret_mode():
       assert mosaic.off_tpu_mode() == "interpret"
     assert mosaic.off_tpu_mode() == "lowering"
   assert mosaic.off_tpu_mode() is None
@@ -64,6 +67,20 @@ def test_outside_the_mode_mosaic_raises_off_tpu_and_chips_parse():
   assert mosaic.chip_version("TPU_7X").name == "TPU_7X"
   with pytest.raises(ValueError, match="chip must be"):
     mosaic.chip_version("v9z")
+
+
+def test_interpret_mode_restores_what_it_switched():
+  # The two process-wide switches are the program's (experiments/), not the
+  # library's; both are back as they were after the context, error or not.
+  lookup, env = pltpu.get_tpu_info, os.environ.get(interpret.ENV)
+  with pytest.raises(RuntimeError, match="inside"):
+    with interpret.interpret_mode("v5p"):
+      assert os.environ[interpret.ENV] == "1"
+      assert pltpu.get_tpu_info().generation == 5
+      raise RuntimeError("inside")
+  assert pltpu.get_tpu_info is lookup
+  assert os.environ.get(interpret.ENV) == env
+  assert mosaic.off_tpu_mode() is None
 
 
 def test_lowering_mode_targets_the_chip_through_jax_not_a_patch():

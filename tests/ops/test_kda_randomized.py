@@ -43,7 +43,7 @@ What is compared (relative L2, as in tests/ops/test_kda.py):
   a_log and dt_bias, sums over all tokens whose terms can cancel, the L1
   mass of those terms (`reduction_mass`);
 * `mosaic` (tokamax's Pallas kernel, on CPU in Pallas interpret mode through
-  `mosaic.interpret_mode()`): output and final state against the oracle at
+  `interpret.interpret_mode()`): output and final state against the oracle at
   1e-5, forward only, on a restricted strategy: B, H <= 2, T <= 128; the
   kernel's limits (T a multiple of 64 without segments, no fused softplus
   gate, pre-activated decays >= -5); every segment layout the other
@@ -88,9 +88,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import interpret
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.ops.kda import mosaic
 from tests import kda_oracle
 from tests.kda_oracle import kda_numpy
 from tests.ops.test_kda import loss_and_grads
@@ -401,12 +401,12 @@ def _num_runs(segments):
 def test_mosaic_interpret_matches_oracle(ex):
   args, kw = make_inputs(ex)
   if ex.segments and _num_runs(ex.segments) > ex.num_segments:
-    with mosaic.interpret_mode(), pytest.raises(
+    with interpret.interpret_mode(), pytest.raises(
         NotImplementedError, match="runs each run of a segment"):
       ops.kimi_delta_attention(**args, output_final_state=True,
                                backend="mosaic", **kw)
     return
-  with mosaic.interpret_mode():
+  with interpret.interpret_mode():
     o, state = ops.kimi_delta_attention(
         **args, output_final_state=True, backend="mosaic", **kw)
     o, state = jax.device_get((o, state))

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+from experiments import interpret
 from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda import mosaic
@@ -198,7 +199,7 @@ class MosaicContextParallelTest(parameterized.TestCase):
       o = op(x["q"], x["k"], x["v"], x["g"], x["beta"], ids)
       return jnp.sum(o * do), o
 
-    with mosaic.interpret_mode():
+    with interpret.interpret_mode():
       grads, o = jax.grad(loss, has_aux=True)(x, "mosaic", AXIS)
     grads_ref, o_ref = jax.jit(jax.grad(loss, has_aux=True),
                                static_argnums=(1, 2))(x, "reference", None)

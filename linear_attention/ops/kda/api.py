@@ -26,11 +26,9 @@ slice). Computed by the exact state passing of
 own runner: about one extra forward pass with V + K value columns.
 """
 
-import contextlib
 import functools
 import math
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -349,21 +347,15 @@ def may_run_mosaic(backend: "str | Backend") -> bool:
   return Backend.parse(backend) in (Backend.MOSAIC, Backend.AUTO)
 
 
-def host_context(backend: "str | Backend"):
-  """What running `backend` on this host needs, as a context manager.
+def runs_interpreted(backend: "str | Backend") -> bool:
+  """Whether `backend` runs tokamax's kernel in Pallas interpret mode here.
 
-  Pallas interpret mode (`mosaic.interpret_mode`: seconds per call, tiny
-  shapes only) when it resolves to "mosaic" and the host is not a TPU;
-  nothing otherwise.
+  True when it resolves to "mosaic" and this host is not a TPU: the kernel
+  then runs only inside `mosaic.interpreted()`, which the caller sets up
+  (`experiments.interpret.interpret_mode`; seconds per call, tiny shapes).
   """
-  if (resolved_backend(backend) == Backend.MOSAIC.value
-      and jax.default_backend() != "tpu"):
-    logging.info(
-        "KDA backend is mosaic and the default device is %s, not a TPU:"
-        " running inside linear_attention.ops.kda.mosaic.interpret_mode()"
-        " (Pallas interpret mode, slow).", jax.default_backend())
-    return mosaic.interpret_mode()
-  return contextlib.nullcontext()
+  return (resolved_backend(backend) == Backend.MOSAIC.value
+          and jax.default_backend() != "tpu")
 
 
 def _run(backend: Backend, q, k, v, g, beta, **kwargs):

@@ -6,9 +6,10 @@ is head-first: q, k, g [H, B, T, K], v [H, B, T, V], beta [H, B, T], states
 [B, N, H, K, V]. This file transposes our [B, T, H, *] layout in and out and
 turns the kernel's limits into `NotImplementedError`s that name them:
 
-* TPU v6 or newer; on any device inside `interpret_mode()` (runs the kernel
-  in Pallas interpret mode) or `lowering_mode()` (exports it for a TPU, by
-  JAX's abstract-mesh cross-lowering: nothing patched);
+* TPU v6 or newer; on any device inside `interpreted()` (the kernel in
+  Pallas interpret mode, which `experiments.interpret.interpret_mode` sets
+  up) or `lowering_mode()` (exports it for a TPU, by JAX's abstract-mesh
+  cross-lowering);
 * float32 or bfloat16 inputs; K <= 256; chunk size 64;
 * without `segment_ids`, T must be a multiple of 64;
 * the fused gate needs `lower_bound` (tokamax's safe-gate form); the softplus
@@ -46,10 +47,8 @@ are selects, which drop the NaN cotangents.
 
 import contextlib
 import functools
-import os
 import threading
 from typing import NamedTuple
-from unittest import mock
 
 import jax
 from jax.experimental.pallas import tpu as pltpu
@@ -85,49 +84,30 @@ def off_tpu_mode() -> str | None:
 
 
 @contextlib.contextmanager
-def interpret_mode(chip="v6e"):
-  """Runs tokamax's Mosaic KDA kernel in Pallas interpret mode on any device.
+def interpreted():
+  """Lets `backend="mosaic"` run off TPU, in Pallas interpret mode.
 
-  The runtime option for `backend="mosaic"` off TPU (tests on CPU, checking
-  a config's numbers before paying for a TPU): inside it, Pallas calls run in
-  interpret mode (`PALLAS_INTERPRET`), tokamax's device check is off
-  (`tokamax.config.cross_compile`), and the kernel's VMEM sizing sees the
-  hardware info of `chip`. The kernel code is the one a TPU runs; only the
-  lowering differs.
-
-  That last part has no public hook: tokamax 0.0.17 sizes its kernel from
-  `pltpu.get_tpu_info()` at trace time, and JAX's way to name a TPU off-TPU
-  (an abstract mesh, see `lowering_mode`) forbids running anything. So this
-  test-time context replaces `pltpu.get_tpu_info` for its duration, as
-  tokamax's own tests do; `lowering_mode`, the path to a TPU, patches
-  nothing.
-
-  Args:
-    chip: the TPU whose limits (VMEM, lanes, sublanes) the kernel's sizing
-      heuristics see (a `pltpu.ChipVersion` or a name such as "v6e");
-      default TPU v6e, the first generation tokamax supports.
+  Interpret mode itself is two process-wide switches this library does not
+  flip (it never sets the environment or replaces another package's
+  functions): tokamax 0.0.17 reads `PALLAS_INTERPRET` from the environment,
+  and sizes its kernel from `pltpu.get_tpu_info()` at trace time, which off
+  TPU has no chip to describe. `experiments.interpret.interpret_mode(chip)`
+  sets both for its duration and enters this context; so do the tests. Here
+  only the op's own check is lifted (otherwise `NotImplementedError` off
+  TPU), with tokamax's device check (`tokamax.config.cross_compile`).
 
   Yields:
-    None. Calls made inside may use `backend="mosaic"` on CPU. Each interpret
-    call takes seconds: keep shapes small.
+    None.
   """
   import tokamax  # pylint: disable=g-import-not-at-top
 
-  info = pltpu.get_tpu_info_for_chip(chip_version(chip), 1)
-  old_env = os.environ.get("PALLAS_INTERPRET")
   old_mode = off_tpu_mode()
-  os.environ["PALLAS_INTERPRET"] = "1"
   _state.mode = "interpret"
   try:
-    with mock.patch.object(pltpu, "get_tpu_info", return_value=info), \
-         tokamax.config.cross_compile(True):
+    with tokamax.config.cross_compile(True):
       yield
   finally:
     _state.mode = old_mode
-    if old_env is None:
-      os.environ.pop("PALLAS_INTERPRET", None)
-    else:
-      os.environ["PALLAS_INTERPRET"] = old_env
 
 
 # The device kind JAX reports for each chip (jax._src.tpu_info's table).
@@ -228,9 +208,10 @@ def _check_supported(q, v, *, use_gate_in_kernel, lower_bound, segment_ids):
     raise NotImplementedError(
         "backend='mosaic' runs tokamax's Pallas kernel, which needs a TPU v6+;"
         f" the default device is {jax.default_backend()}. On CPU, call it"
-        " inside `linear_attention.ops.kda.mosaic.interpret_mode()` (Pallas"
-        " interpret mode), export it for a TPU inside `lowering_mode()`, or"
-        " use backend='chunked'.")
+        " inside `experiments.interpret.interpret_mode()` (Pallas interpret"
+        " mode), export it for a TPU inside"
+        " `linear_attention.ops.kda.mosaic.lowering_mode()`, or use"
+        " backend='chunked'.")
   if q.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != q.dtype:
     raise NotImplementedError(
         "backend='mosaic' supports float32 and bfloat16 q/k/v of one dtype;"
