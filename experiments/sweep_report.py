@@ -355,49 +355,26 @@ def _curve_on_grid(steps, accs, grid):
   return out
 
 
-def plot_length_generalisation(results: dict[str, Any], mixers,
-                               path: str) -> bool:
-  """Accuracy vs evaluation length, one panel per trained cell; False if
-  no run has `length_accuracy`."""
-  cells = [c for c in results["cells"] if c.get("length_accuracy")]
+def plot_by_length(results: dict[str, Any], mixers, path: str, *, key: str,
+                   percent: bool = True, **labels) -> bool:
+  """Cell statistic `key` (per length) vs evaluation length, one panel per
+  trained cell, the task's chance line with `percent`; False if no cell has
+  `key`. `labels`: `plotting.plot_bands_by_task`'s xlabel, ylabel, title."""
+  cells = [c for c in results["cells"] if c.get(key)]
   if not cells:
     return False
   series, chance = {}, {}
   for c in cells:
     panel = f"{c['task']} trained at T={c['seq_len']}"
-    acc = c["length_accuracy"]
-    xs = [int(n) for n in acc]
-    series[(panel, c["mixer"])] = (
-        xs, [acc[n]["mean"] for n in acc], [acc[n]["min"] for n in acc],
-        [acc[n]["max"] for n in acc], [acc[n]["count"] for n in acc])
-    chance[panel] = c["chance_accuracy"]
+    stats = c[key]
+    series[(panel, c["mixer"])] = ([int(n) for n in stats], *(
+        [stats[n][k] for n in stats] for k in ("mean", "min", "max",
+                                                "count")))
+    if percent:
+      chance[panel] = c["chance_accuracy"]
   plotting.plot_bands_by_task(
       series, tasks=list(dict.fromkeys(p for p, _ in series)), mixers=mixers,
-      chance=chance, log_x=True, xlabel="evaluation length T",
-      ylabel="held-out accuracy (%)",
-      title="final parameters at longer lengths (mean, band: min-max over"
-      " seeds)", path=path)
-  return True
-
-
-def plot_bits_per_byte(results: dict[str, Any], mixers, path: str) -> bool:
-  """Held-out bits per byte vs evaluation length, one panel per trained
-  cell; False if no cell is on a byte corpus."""
-  cells = [c for c in results["cells"] if c.get("bits_per_byte")]
-  if not cells:
-    return False
-  series = {}
-  for c in cells:
-    panel = f"{c['task']} trained at T={c['seq_len']}"
-    bits = c["bits_per_byte"]
-    series[(panel, c["mixer"])] = ([int(n) for n in bits], *(
-        [bits[n][k] for n in bits] for k in ("mean", "min", "max", "count")))
-  plotting.plot_bands_by_task(
-      series, tasks=list(dict.fromkeys(p for p, _ in series)), mixers=mixers,
-      chance={}, log_x=True, xlabel="evaluation length T (bytes)",
-      ylabel="held-out bits per byte", percent=False,
-      title="final parameters at the training length and longer (mean, band:"
-      " min-max over seeds)", path=path)
+      chance=chance, log_x=True, percent=percent, path=path, **labels)
   return True
 
 
@@ -409,10 +386,18 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
   tasks = sorted({c["task"] for c in cells})
   mixers = [m for m in list(sweep.mixers) + [
       sweep.get("ablation", {}).get("mixer")] if m]
-  plot_length_generalisation(
-      results, mixers, os.path.join(workdir, "length_generalisation.png"))
-  plot_bits_per_byte(
-      results, mixers, os.path.join(workdir, "bits_per_byte_vs_length.png"))
+  plot_by_length(
+      results, mixers, os.path.join(workdir, "length_generalisation.png"),
+      key="length_accuracy", xlabel="evaluation length T",
+      ylabel="held-out accuracy (%)",
+      title="final parameters at longer lengths (mean, band: min-max over"
+      " seeds)")
+  plot_by_length(
+      results, mixers, os.path.join(workdir, "bits_per_byte_vs_length.png"),
+      key="bits_per_byte", percent=False,
+      xlabel="evaluation length T (bytes)", ylabel="held-out bits per byte",
+      title="final parameters at the training length and longer (mean, band:"
+      " min-max over seeds)")
   series, rising = {}, {}
   for task in tasks:
     for mixer in mixers:
