@@ -12,12 +12,13 @@ results.md, results.json and the figures when it has nothing left to train.
 `--extend_to=N` raises the step cap of the selected runs to N: every one
 that did not reach its stop_at_accuracy continues from its checkpoint (a
 "constant" or "wsd" schedule only; the steps it trained are the longer
-run's). `--list` prints the runs and whether each is done. `--recall` trains
-nothing: it bins the held-out accuracy of every finished Palindrome, MQAR
-and Stack run by lag (how far back the answer was written) and writes
-recall_vs_lag.json and recall_vs_lag_<task>.png (experiments/recall.py);
-a run already profiled there at its final step keeps its profile, so only
-new runs need their checkpoints.
+run's). `--list` prints the runs, whether each is done, and where each
+started one stands (step, held-out accuracy, status: `sweep_lib.progress`).
+`--recall` trains nothing: it bins the held-out accuracy of every finished
+Palindrome, MQAR and Stack run by lag (how far back the answer was written)
+and writes recall_vs_lag.json and recall_vs_lag_<task>.png
+(experiments/recall.py); a run already profiled there at its final step
+keeps its profile, so only new runs need their checkpoints.
 Flags are read here and nowhere else; see experiments/sweep_lib.py for the
 layout.
 """
@@ -82,8 +83,11 @@ def main(argv):
       runs = sweep_lib.extend(runs, _EXTEND_TO.value)
     for run in runs:
       if _ONLY.value is None or _ONLY.value in run.name:
-        done = sweep_lib.is_done(os.path.join(workdir, run.name), run.config)
-        print(f"{'done' if done else 'todo'}  {run.name}")
+        run_dir = os.path.join(workdir, run.name)
+        done = sweep_lib.is_done(run_dir, run.config)
+        where = sweep_lib.progress(run_dir)
+        print(f"{'done' if done else 'todo'}  {run.name}"
+              + (f"  {where}" if where else ""))
     return
   train.quiet_orbax_logs()
   if _RECALL.value:

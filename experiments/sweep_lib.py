@@ -177,6 +177,34 @@ def is_done(run_dir: str, config=None) -> bool:
     return train.is_finished(json.load(f), config)
 
 
+def progress(run_dir: str) -> str:
+  """Where a run stands, from its files: "" if it has not started, else
+  "step S: held-out A% (best B%), <state>".
+
+  <state> is "diverged" (error.json), the summary's status (solved,
+  plateaued, rising at cap), "training" (a live process holds its lock) or
+  "stopped" (killed or paused between checkpoints; the next sweep resumes
+  it).
+  """
+  path = os.path.join(run_dir, "metrics.jsonl")
+  records = metrics_lib.read_records(path) if os.path.exists(path) else []
+  evals = [r for r in records if r["split"] == "eval"]
+  if os.path.exists(os.path.join(run_dir, "error.json")):
+    state = "diverged"
+  elif os.path.exists(os.path.join(run_dir, "summary.json")):
+    with open(os.path.join(run_dir, "summary.json")) as f:
+      state = json.load(f).get("status") or "finished"
+  else:
+    owner = run_lock.read(run_dir + run_lock.SUFFIX)
+    state = ("training" if owner is not None and not run_lock.is_dead(owner)
+             else "stopped")
+  if not evals:
+    return "" if state == "stopped" else state
+  last = evals[-1]
+  return (f"step {last['step']}: held-out {100 * last['accuracy']:.1f}%"
+          f" (best {100 * max(r['accuracy'] for r in evals):.1f}%), {state}")
+
+
 def extend(runs: Sequence[Run], num_steps: int) -> list[Run]:
   """The runs with train.num_steps raised to at least `num_steps`.
 

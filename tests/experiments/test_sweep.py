@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -346,3 +347,32 @@ def test_sweep_cli_lists_runs(tmp_path):
   lines = out.strip().splitlines()
   assert len(lines) == 4 and all(l.startswith("todo  palindrome_T32/")
                                  for l in lines)
+
+
+def test_sweep_cli_lists_where_each_run_stands(tmp_path):
+  cell = tmp_path / "palindrome_T32"
+  evals = [dict(step=0, split="eval", accuracy=0.25),
+           dict(step=2, split="eval", accuracy=0.5),
+           dict(step=4, split="eval", accuracy=0.375)]
+  for run in ("kda_seed0", "kda_seed1", "attention_seed0"):
+    (cell / f"{run}_lr0.003").mkdir(parents=True)
+    (cell / f"{run}_lr0.003" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in evals))
+  (cell / "kda_seed0_lr0.003" / "summary.json").write_text(json.dumps(
+      dict(steps=4, best_eval_accuracy=0.5, status="plateaued")))
+  # A live owner (this process) holds kda_seed1; attention_seed0's owner is
+  # gone (killed between checkpoints); attention_seed1 never started.
+  (cell / "kda_seed1_lr0.003.lock").write_text(json.dumps(
+      dict(host=socket.gethostname(), pid=os.getpid())))
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.sweep",
+       "--config=configs/sweeps/kimi_synthetic.py:smoke",
+       f"--workdir={tmp_path}", "--list", "--only=palindrome_T32/"],
+      cwd=REPO, capture_output=True, text=True, check=True).stdout
+  where = "step 4: held-out 37.5% (best 50.0%)"
+  assert out.strip().splitlines() == [
+      f"done  palindrome_T32/kda_seed0_lr0.003  {where}, plateaued",
+      f"todo  palindrome_T32/attention_seed0_lr0.003  {where}, stopped",
+      f"todo  palindrome_T32/kda_seed1_lr0.003  {where}, training",
+      "todo  palindrome_T32/attention_seed1_lr0.003",
+  ]
