@@ -12,13 +12,14 @@ A sweep config (e.g. configs/sweeps/kimi_synthetic.py) holds
 * `mixers`, `seeds`, `learning_rates`: the axes crossed with every cell;
   a mixer is a `model.mixer` name or the name of a variant;
   `learning_rates` is a tuple for every mixer or a dict `{mixer: tuple}`
-  (rates chosen per mixer);
+  (rates chosen per mixer); a cell's own `learning_rates` (same forms,
+  optional) replaces it for that cell (rates chosen per mixer and task);
 * `variants` (optional): `{name: ((dotted field, value), ...)}`, a named
   model variant, e.g. `kda_negeig: (("model.mixer", "kda"),
   ("model.kda.allow_neg_eigval", True))` (configs/sweeps/parity.py);
 * `ablation`: `dict(mixer=..., seq_len=..., seeds=...)`, extra runs of one
   mixer (e.g. `kda_zeroed`) on the cells of that length, at the first
-  mixer's first learning rate.
+  mixer's first learning rate in that cell.
 
 `expand(sweep)` lists the runs; `run_sweep` trains every run that is not
 finished (no `summary.json`, or with `extend_to` a raised step cap) into `<workdir>/<task>_T<len>/<mixer>_seed<s>_lr<lr>/`
@@ -105,12 +106,16 @@ def _run(sweep, cell, mixer: str, seed: int, lr: float) -> Run:
 
 def validate_sweep(sweep) -> None:
   """Raises ValueError naming the first bad field of a sweep config."""
-  for field in ("base", "cells", "mixers", "seeds", "learning_rates"):
+  for field in ("base", "cells", "mixers", "seeds"):
     if field not in sweep:
       raise ValueError(f"the sweep config needs a field {field!r}.")
-  for field in ("cells", "mixers", "seeds", "learning_rates"):
+  for field in ("cells", "mixers", "seeds"):
     if not sweep[field]:
       raise ValueError(f"sweep.{field} must be non-empty.")
+  if not sweep.get("learning_rates") and not all(
+      c.get("learning_rates") for c in sweep.cells):
+    raise ValueError("sweep.learning_rates must be non-empty unless every"
+                     " cell has its own 'learning_rates'.")
   seen = set()
   for i, cell in enumerate(sweep.cells):
     if not {"task", "num_steps"} <= set(cell):
@@ -122,19 +127,26 @@ def validate_sweep(sweep) -> None:
     seen.add(key)
   if len(set(sweep.seeds)) != len(sweep.seeds):
     raise ValueError(f"sweep.seeds must be distinct; got {sweep.seeds}.")
-  if not isinstance(sweep.learning_rates, (tuple, list)):
-    missing = [m for m in sweep.mixers if not sweep.learning_rates.get(m)]
-    if missing:
-      raise ValueError(f"sweep.learning_rates must give rates for every mixer;"
-                       f" missing {missing}.")
+  for i, cell in enumerate(sweep.cells):
+    for field, rates in (("sweep.learning_rates",
+                          sweep.get("learning_rates") or ()),
+                         (f"sweep.cells[{i}]['learning_rates']",
+                          cell.get("learning_rates", ()))):
+      if isinstance(rates, (tuple, list)):
+        continue
+      missing = [m for m in sweep.mixers if not rates.get(m)]
+      if missing:
+        raise ValueError(f"{field} must give rates for every mixer; missing"
+                         f" {missing}.")
   for name, variant in sweep.get("variants", {}).items():
     if "model.mixer" not in dict(variant):
       raise ValueError(f"sweep.variants[{name!r}] must set 'model.mixer'.")
 
 
-def learning_rates(sweep, mixer: str) -> tuple[float, ...]:
-  """The rates `mixer` runs at (sweep.learning_rates, shared or per mixer)."""
-  rates = sweep.learning_rates
+def learning_rates(sweep, mixer: str, cell=None) -> tuple[float, ...]:
+  """The rates `mixer` runs at in `cell`: the cell's `learning_rates` if it
+  has them, else sweep.learning_rates (each shared or per mixer)."""
+  rates = (cell or {}).get("learning_rates") or sweep.get("learning_rates")
   return tuple(rates if isinstance(rates, (tuple, list)) else rates[mixer])
 
 
@@ -149,7 +161,7 @@ def expand(sweep) -> list[Run]:
   for seed in sweep.seeds:
     for cell in sorted(sweep.cells, key=lambda c: c["task"]["seq_len"]):
       for mixer in sweep.mixers:
-        for lr in learning_rates(sweep, mixer):
+        for lr in learning_rates(sweep, mixer, cell):
           runs.append(_run(sweep, cell, mixer, seed, lr))
   ablation = sweep.get("ablation")
   if ablation:
@@ -157,7 +169,7 @@ def expand(sweep) -> list[Run]:
       for cell in sweep.cells:
         if cell["task"]["seq_len"] == ablation["seq_len"]:
           runs.append(_run(sweep, cell, ablation["mixer"], seed,
-                           learning_rates(sweep, sweep.mixers[0])[0]))
+                           learning_rates(sweep, sweep.mixers[0], cell)[0]))
   for run in runs:
     train.validate_config(run.config)
   return runs

@@ -39,6 +39,14 @@ def test_the_kimi_synthetic_runs_are_valid_and_shared_where_equal():
   calibration = sweep_lib.expand(kimi_synthetic.get_config("calibration"))
   shared = [r for r in calibration if r.name in protocol]
   assert shared and all(r.config == protocol[r.name] for r in shared)
+  # Each mixer runs at its task's chosen rate, one the calibration tried:
+  # the protocol's seed-0 runs at 1024 are calibration runs.
+  for r in runs:
+    rate = kimi_synthetic.LEARNING_RATES[r.task][r.mixer.replace(
+        "kda_zeroed", "kda")]
+    assert r.learning_rate == rate
+  assert {r.name for r in runs if r.seed == 0 and r.seq_len == 1024} <= {
+      r.name for r in calibration}
   for r in sweep_lib.expand(kimi_synthetic_600steps.get_config()):
     program_lib.validate_config(r.config)
 
@@ -336,6 +344,30 @@ def test_aggregate_picks_the_best_learning_rate_and_counts_divergence(
   assert [r["length_curriculum"] for r in results["cells"]] == [[], [[2, 16]]]
   with open(os.path.join(workdir, "results.md")) as f:
     assert "| 4 (2 at T=16 first) |" in f.read()
+
+
+def test_a_cell_can_set_its_own_learning_rates():
+  sweep = kimi_synthetic.get_config("smoke").copy_and_resolve_references()
+  sweep.unlock()
+  cells = [dict(c) for c in sweep.cells]
+  cells[1]["learning_rates"] = dict(kda=(5e-4,), attention=(1e-3, 2e-3))
+  sweep.cells = tuple(cells)
+  sweep.ablation = dict(mixer="kda_zeroed", seq_len=16, seeds=(0,))
+  rates = {}
+  for run in sweep_lib.expand(sweep):
+    assert run.config.train.learning_rate == run.learning_rate
+    rates.setdefault((run.task, run.seq_len, run.mixer), set()).add(
+        run.learning_rate)
+  assert rates[("palindrome", 16, "kda")] == {5e-4}
+  assert rates[("palindrome", 16, "attention")] == {1e-3, 2e-3}
+  assert rates[("palindrome", 16, "kda_zeroed")] == {5e-4}  # kda's, here
+  assert rates[("stack", 32, "kda")] == {3e-3}  # the sweep's elsewhere
+  assert rates[("palindrome", 32, "attention")] == {3e-3}
+  cells[1]["learning_rates"] = dict(kda=(5e-4,))
+  sweep.cells = tuple(cells)
+  with pytest.raises(ValueError, match=r"sweep.cells\[1\]\['learning_rates'\]"
+                     r" must give rates for every mixer; missing \['attention'\]"):
+    sweep_lib.expand(sweep)
 
 
 def test_sweep_cli_lists_runs(tmp_path):
