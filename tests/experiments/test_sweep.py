@@ -47,6 +47,13 @@ def test_the_kimi_synthetic_runs_are_valid_and_shared_where_equal():
     assert r.learning_rate == rate
   assert {r.name for r in runs if r.seed == 0 and r.seq_len == 1024} <= {
       r.name for r in calibration}
+  # The calibration's grid, and the one rate past it (attention on Stack).
+  stack = {(r.mixer, r.learning_rate) for r in calibration
+           if r.task == "stack"}
+  assert stack == {(m, lr) for m in ("kda", "gdn", "attention")
+                   for lr in kimi_synthetic.CALIBRATION_RATES} | {
+                       ("attention", 1e-2)}
+  assert len(calibration) == 3 * 3 * 3 + 1
   for r in sweep_lib.expand(kimi_synthetic_600steps.get_config()):
     program_lib.validate_config(r.config)
 
