@@ -24,6 +24,7 @@ from configs import common as config_lib
 TOKENS_PER_STEP = 8192  # Palindrome and Stack: a step costs the same at any T
 MQAR_BATCH = 32  # MQAR scores N queries a row; 8 rows a step never left chance
 LENGTHS = (256, 512, 1024)
+MIXERS = ("kda", "gdn", "attention")
 MQAR_PAIRS = {256: 16, 512: 24, 1024: 32}  # vocabulary 4x: chance 1 / (2 N)
 # A first pass of every run; runs rising at it are extended up to MAX_STEPS.
 NUM_STEPS = 1000
@@ -94,14 +95,14 @@ def cells(num_steps: int, stage: int = CURRICULUM_STAGE, lengths=LENGTHS,
   return tuple(out)
 
 
-def calibration_cells(mixers=("kda", "gdn", "attention")) -> tuple:
+def calibration_cells() -> tuple:
   """The T = 1024 cells at CALIBRATION_RATES, plus CALIBRATION_EXTRA_RATES."""
   out = []
   for cell in cells(NUM_STEPS, lengths=(1024,)):
     extra = CALIBRATION_EXTRA_RATES.get(cell["task"]["name"])
     if extra:
       cell["learning_rates"] = {
-          m: CALIBRATION_RATES + extra.get(m, ()) for m in mixers}
+          m: CALIBRATION_RATES + extra.get(m, ()) for m in MIXERS}
     out.append(cell)
   return tuple(out)
 
@@ -127,7 +128,7 @@ def base(**train) -> ml_collections.ConfigDict:
 
 
 def sweep(*, name="kimi_synthetic", base_config=None, cell_list=None,
-          mixers=("kda", "gdn", "attention"), seeds=(0, 1, 2),
+          mixers=MIXERS, seeds=(0, 1, 2),
           learning_rates=None, ablation=None,
           curve_seq_len=1024) -> ml_collections.ConfigDict:
   """A locked sweep config; every argument defaults to the protocol's."""
