@@ -12,7 +12,9 @@ results.md, results.json and the figures when it has nothing left to train.
 `--extend_to=N` raises the step cap of the selected runs to N: every one
 that did not reach its stop_at_accuracy continues from its checkpoint (a
 "constant" or "wsd" schedule only; the steps it trained are the longer
-run's). `--list` prints the runs, whether each is done, and where each
+run's). With `--extend_step=S` too, only the runs still rising at their cap
+(`metrics.run_status`) continue, S steps at a time, each until it is
+solved, plateaued or at N: the compute goes where runs still learn. `--list` prints the runs, whether each is done, and where each
 started one stands (step, held-out accuracy, status: `sweep_lib.progress`).
 `--recall` trains nothing: it bins the held-out accuracy of every finished
 Palindrome, MQAR and Stack run by lag (how far back the answer was written)
@@ -47,6 +49,10 @@ _AGGREGATE_ONLY = flags.DEFINE_bool(
 _EXTEND_TO = flags.DEFINE_integer(
     "extend_to", None, "Raise the step cap of the selected runs to this;"
     " unsolved finished runs continue (constant or wsd schedules).")
+_EXTEND_STEP = flags.DEFINE_integer(
+    "extend_step", None, "With --extend_to: only the runs still rising at"
+    " their cap continue, this many steps at a time, until each is solved,"
+    " plateaued or at --extend_to.")
 _LIST = flags.DEFINE_bool("list", False, "Print the runs and exit.")
 _RECALL = flags.DEFINE_bool(
     "recall", False, "Train nothing; write the finished runs' accuracy"
@@ -104,7 +110,8 @@ def main(argv):
   if not _AGGREGATE_ONLY.value:
     sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value,
                         code_version=_code_version(),
-                        extend_to=_EXTEND_TO.value)
+                        extend_to=_EXTEND_TO.value,
+                        extend_step=_EXTEND_STEP.value)
   results = sweep_report.aggregate(
       sweep, workdir, metadata=dict(aggregated_at=_code_version()))
   print(sweep_report.results_markdown(results))  # the CLI's one output

@@ -236,6 +236,51 @@ def extend(runs: Sequence[Run], num_steps: int) -> list[Run]:
   return out
 
 
+def extend_rising(runs: Sequence[Run], workdir: str, step: int,
+                  max_steps: int) -> list[Run]:
+  """The runs, those still learning given `step` more steps (at most
+  `max_steps`), so that a sweep spends steps only where runs still learn.
+
+  A run finished "rising at cap" (its summary's status, `metrics.run_status`
+  of its metrics) below `max_steps` gets train.num_steps = min(steps +
+  `step`, `max_steps`); a run whose config.json asks for more steps than its
+  summary holds (an extension killed before it finished) gets that cap back;
+  every other run (solved, plateaued, diverged, unfinished, at `max_steps`)
+  is returned as given. Run repeatedly (`run_sweep`'s `extend_step`), a run
+  continues `step` steps at a time until solved, plateaued or at
+  `max_steps`.
+  """
+  if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    raise ValueError(f"extend_step must be an int >= 1; got {step!r}.")
+  out = []
+  for run in runs:
+    run_dir = os.path.join(workdir, run.name)
+    path = os.path.join(run_dir, "summary.json")
+    if (os.path.exists(os.path.join(run_dir, "error.json"))
+        or not os.path.exists(path)):
+      out.append(run)
+      continue
+    with open(path) as f:
+      summary = json.load(f)
+    stored = train.stored_config(run_dir) or {}
+    asked = stored.get("train", {}).get("num_steps", 0)
+    steps = summary["steps"]
+    status = summary.get("status") or metrics_lib.run_status(
+        metrics_lib.read_records(os.path.join(run_dir, "metrics.jsonl")))
+    stop_at = run.config.train.stop_at_accuracy
+    best = summary.get("best_eval_accuracy")
+    if stop_at is not None and best is not None and best >= stop_at:
+      target = None
+    elif asked > steps:  # an extension killed before it finished
+      target = asked
+    elif status == metrics_lib.RISING and steps < max_steps:
+      target = min(steps + step, max_steps)
+    else:
+      target = None
+    out.append(run if target is None else extend([run], target)[0])
+  return out
+
+
 def check_workdir(runs: Sequence[Run], workdir: str) -> None:
   """Raises ValueError if a run directory holds a run of another config.
 
@@ -283,12 +328,16 @@ def read_commits(run_dir: str) -> list[str]:
 
 def run_sweep(sweep, workdir: str, *, only: str | None = None,
               code_version: str | None = None,
-              extend_to: int | None = None) -> list[Run]:
+              extend_to: int | None = None,
+              extend_step: int | None = None) -> list[Run]:
   """Trains every unfinished run (whose name contains `only`, if given).
 
   With `extend_to`, a run's step cap is raised to at least that many steps
   (`extend`), so every selected run that did not reach its
-  stop_at_accuracy continues to it.
+  stop_at_accuracy continues to it. With `extend_step` too, only the runs
+  still rising at their cap continue, `extend_step` steps at a time
+  (`extend_rising`), until each is solved, plateaued or at `extend_to`;
+  the runs not yet trained to their sweep's cap train to it first.
 
   A run whose training fails with non-finite gradients is recorded as
   `error.json` in its directory (a divergence is a result, not a crash of
@@ -299,9 +348,27 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
   runs = [r for r in expand(sweep) if only is None or only in r.name]
   if not runs:
     raise ValueError(f"no run of the sweep matches {only!r}.")
+  if extend_step is not None:
+    if extend_to is None:
+      raise ValueError("extend_step needs extend_to (the most steps a run"
+                       " is extended to).")
+    check_workdir(runs, workdir)
+    trained = []
+    while True:  # each round re-reads the statuses its runs finished with
+      extended = extend_rising(runs, workdir, extend_step, extend_to)
+      done_now = _train_unfinished(extended, workdir, code_version)
+      trained += done_now
+      if not done_now:  # nothing left, or what is left is another's
+        return trained
   if extend_to is not None:
     runs = extend(runs, extend_to)
   check_workdir(runs, workdir)
+  return _train_unfinished(runs, workdir, code_version)
+
+
+def _train_unfinished(runs: Sequence[Run], workdir: str,
+                      code_version: str | None) -> list[Run]:
+  """Trains the runs not done (`is_done`) that this process can claim."""
   todo = [r for r in runs
           if not is_done(os.path.join(workdir, r.name), r.config)]
   logging.info("Sweep: %d runs, %d done, %d to do.", len(runs),

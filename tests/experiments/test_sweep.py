@@ -87,6 +87,51 @@ def test_extend_to_continues_the_unsolved_runs(tmp_path):
     sweep_lib.extend(cosine, 1000)
 
 
+@pytest.mark.slow
+def test_extend_step_continues_only_the_runs_still_rising(tmp_path):
+  # The smoke runs train 4 steps: too few for a plateau window, so each
+  # finishes "rising at cap" (metrics.run_status).
+  sweep = kimi_synthetic.get_config("smoke")
+  workdir, only = str(tmp_path), "stack_T32/kda_"
+  rising, flat = "stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"
+  assert len(sweep_lib.run_sweep(sweep, workdir, only=only)) == 2
+
+  def summary(name):
+    with open(os.path.join(workdir, name, "summary.json")) as f:
+      return json.load(f)
+
+  def write(name, file, text):
+    with open(os.path.join(workdir, name, file), "w") as f:
+      f.write(text)
+
+  assert summary(rising)["status"] == "rising at cap"
+  write(flat, "summary.json", json.dumps(dict(summary(flat),
+                                              status="plateaued")))
+  trained = sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=10,
+                                extend_step=3)
+  # 4 -> 7 -> 10, one round each; the plateaued run is left at 4.
+  assert [r.name for r in trained] == [rising, rising]
+  assert [r.config.train.num_steps for r in trained] == [7, 10]
+  assert summary(rising)["steps"] == 10 and summary(flat)["steps"] == 4
+  assert sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=10,
+                             extend_step=3) == []
+  # An extension killed before it finished (config.json asks for more steps
+  # than the summary holds) resumes to its own cap, past extend_to.
+  with open(os.path.join(workdir, rising, "config.json")) as f:
+    config = json.load(f)
+  config["train"]["num_steps"] = 13
+  write(rising, "config.json", json.dumps(config))
+  (again,) = sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=10,
+                                 extend_step=3)
+  assert again.config.train.num_steps == 13
+  assert summary(rising)["steps"] == 13
+  with pytest.raises(ValueError, match="extend_step needs extend_to"):
+    sweep_lib.run_sweep(sweep, workdir, only=only, extend_step=3)
+  with pytest.raises(ValueError, match="extend_step must be an int >= 1"):
+    sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=20,
+                        extend_step=0)
+
+
 def test_compare_gives_a_verdict_per_cell():
   def cell(mixer, best):
     return dict(task="mqar", seq_len=64, mixer=mixer,
