@@ -353,7 +353,7 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
       raise ValueError("extend_step needs extend_to (the most steps a run"
                        " is extended to).")
     check_workdir(runs, workdir)
-    trained = []
+    trained = _train_unfinished(runs, workdir, code_version)  # first passes
     while True:  # each round re-reads the statuses its runs finished with
       extended = extend_rising(runs, workdir, extend_step, extend_to)
       done_now = _train_unfinished(extended, workdir, code_version)

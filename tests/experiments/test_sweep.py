@@ -94,7 +94,7 @@ def test_extend_step_continues_only_the_runs_still_rising(tmp_path):
   sweep = kimi_synthetic.get_config("smoke")
   workdir, only = str(tmp_path), "stack_T32/kda_"
   rising, flat = "stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"
-  assert len(sweep_lib.run_sweep(sweep, workdir, only=only)) == 2
+  (first,) = sweep_lib.run_sweep(sweep, workdir, only=only + "seed0")
 
   def summary(name):
     with open(os.path.join(workdir, name, "summary.json")) as f:
@@ -104,14 +104,22 @@ def test_extend_step_continues_only_the_runs_still_rising(tmp_path):
     with open(os.path.join(workdir, name, file), "w") as f:
       f.write(text)
 
-  assert summary(rising)["status"] == "rising at cap"
+  assert first.name == rising and summary(rising)["status"] == "rising at cap"
+  # The runs not yet trained to the sweep's cap train first; then the
+  # rising ones continue.
+  trained = sweep_lib.run_sweep(sweep, workdir, only=only + "seed1",
+                                extend_to=10, extend_step=3)
+  assert [(r.name, r.config.train.num_steps) for r in trained] == [
+      (flat, 4), (flat, 7), (flat, 10)]
+  shutil.rmtree(os.path.join(workdir, flat))
+  sweep_lib.run_sweep(sweep, workdir, only=only + "seed1")
   write(flat, "summary.json", json.dumps(dict(summary(flat),
                                               status="plateaued")))
   trained = sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=10,
                                 extend_step=3)
   # 4 -> 7 -> 10, one round each; the plateaued run is left at 4.
-  assert [r.name for r in trained] == [rising, rising]
-  assert [r.config.train.num_steps for r in trained] == [7, 10]
+  assert [(r.name, r.config.train.num_steps) for r in trained] == [
+      (rising, 7), (rising, 10)]
   assert summary(rising)["steps"] == 10 and summary(flat)["steps"] == 4
   assert sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=10,
                              extend_step=3) == []
