@@ -238,8 +238,8 @@ def extend(runs: Sequence[Run], num_steps: int) -> list[Run]:
 
 def extend_rising(runs: Sequence[Run], workdir: str, step: int,
                   max_steps: int) -> list[Run]:
-  """The runs, those still learning given `step` more steps (at most
-  `max_steps`), so that a sweep spends steps only where runs still learn.
+  """The runs, with the step cap of those still learning raised by `step`
+  (to at most `max_steps`): a sweep's steps go where its runs still learn.
 
   A run finished "rising at cap" (its summary's status, `metrics.run_status`
   of its metrics) below `max_steps` gets train.num_steps = min(steps +
