@@ -4,8 +4,9 @@ r"""KDA speed on a GPU: our `chunked` against flash-linear-attention's Triton.
 
 Needs a CUDA GPU, jax with its CUDA plugin, PyTorch and flash-linear-attention
 (`fla-core`; its `fla.ops.kda.chunk_kda`, the Triton kernels the paper's
-authors train with). One process holds both frameworks (start it with
-XLA_PYTHON_CLIENT_PREALLOCATE=false so that they share the GPU's memory).
+authors train with). One process holds both frameworks; unless set, it
+sets XLA_PYTHON_CLIENT_PREALLOCATE=false and XLA_PYTHON_CLIENT_ALLOCATOR=
+platform so that they share the GPU's memory.
 
 For each shape (B, T, H, K=V, dtype, packed documents) it times, on the same
 inputs, the forward and the forward+backward (gradients of every input,
@@ -44,6 +45,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +115,9 @@ def torch_inputs(jax_args, dtype, ids):
       t = t.to(torch.bfloat16)
     out.append(t.requires_grad_(True))
   cu = None
-  if ids is not None:
+  if ids is not None:  # fla packs documents into one row: B = 1
+    if ids.shape[0] != 1:
+      raise ValueError(f"packed shapes need B = 1; got B = {ids.shape[0]}.")
     lengths = np.bincount(np.asarray(ids)[0])[1:]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]),
                       dtype=torch.long, device="cuda")
@@ -185,8 +189,10 @@ def bench_shape(name, repeats, variants, reference_grad_gib):
     outs["fla"] = as_numpy(call())  # compiles and autotunes the kernels
     anchor_name = "reference"
     ref = compiled(ours(segments, backend="reference"), mode, "highest")
-    ref_bytes = kda_speed.temp_bytes(ref, ref_args)  # compiles, runs nothing
-    if ref_bytes is None or ref_bytes <= reference_grad_gib * 2**30:
+    ref = ref.lower(*ref_args).compile()  # its plan first, then the run
+    plan = ref.memory_analysis()
+    ref_bytes = None if plan is None else plan.temp_size_in_bytes
+    if ref_bytes is not None and ref_bytes <= reference_grad_gib * 2**30:
       anchor = [np.asarray(x, np.float32)
                 for x in jax.tree.leaves(ref(*ref_args))]
     else:
@@ -196,6 +202,8 @@ def bench_shape(name, repeats, variants, reference_grad_gib):
     errs = errors(outs, anchor)
     calls = {n: (fn, jargs) for n, fn in fns.items()}
     calls["fla"] = (lambda: (call(), None)[1], ())
+    # One untimed round: the first call after compiling ran up to 3.5x slow.
+    kda_speed.time_rounds({}, (), 1, extra=calls)
     times = kda_speed.time_rounds({}, (), repeats, extra=calls)
     flops = kda_speed.kda_flops(b, t, h, d) * (1 if mode == "forward" else 3)
     for n, ts in times.items():
@@ -249,6 +257,18 @@ def markdown(rows):
   return "\n".join(lines)
 
 
+def _commit() -> str | None:
+  """This checkout's git commit ('+dirty' with local changes), if any."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"],
+                           capture_output=True, text=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head + ("+dirty" if dirty else "")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=10)
@@ -265,6 +285,11 @@ def main():
                       " backend ('mqar', 'delayed_copy' or 'none')")
   parser.add_argument("--out", default="benchmarks/results/kda_speed_gpu.json")
   a = parser.parse_args()
+  # Before jax starts its GPU client: jax takes its memory as it needs it
+  # (not 75% up front) and hands freed blocks back, so that torch's kernels
+  # and the anchor's temporaries fit beside it.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
   import fla  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   if jax.default_backend() != "gpu" or not torch.cuda.is_available():
@@ -272,7 +297,8 @@ def main():
   machine = dict(platform=platform.platform(), cpu_count=os.cpu_count(),
                  device=jax.devices()[0].device_kind, jax=jax.__version__,
                  torch=torch.__version__,
-                 fla=getattr(fla, "__version__", None))
+                 fla=getattr(fla, "__version__", None),
+                 commit=_commit())
   result = dict(machine=machine, matmul_tflops=matmul_rates(), rows=[],
                 train_step=[])
   print(json.dumps(result, indent=1), flush=True)

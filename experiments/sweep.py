@@ -14,8 +14,9 @@ that did not reach its stop_at_accuracy continues from its checkpoint (a
 "constant" or "wsd" schedule only; the steps it trained are the longer
 run's). With `--extend_step=S` too, only the runs still rising at their cap
 (`metrics.run_status`) continue, S steps at a time, each until it is
-solved, plateaued or at N: the compute goes where runs still learn. `--list` prints the runs, whether each is done, and where each
-started one stands (step, held-out accuracy, status: `sweep_lib.progress`).
+solved, plateaued or at N: the compute goes where runs still learn.
+`--list` prints the runs, whether each is done, and where each started one
+stands (step, held-out accuracy, status: `sweep_lib.progress`).
 `--recall` trains nothing: it bins the held-out accuracy of every finished
 Palindrome, MQAR and Stack run by lag (how far back the answer was written)
 and writes recall_vs_lag.json and recall_vs_lag_<task>.png

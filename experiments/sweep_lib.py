@@ -223,17 +223,22 @@ def extend(runs: Sequence[Run], num_steps: int) -> list[Run]:
   Only for schedules that extend (train.EXTENDABLE_SCHEDULES): a finished
   run that did not reach stop_at_accuracy then resumes from its checkpoint.
   """
+  check_extendable(runs)
   out = []
   for run in runs:
-    tr = run.config.train
-    if tr.schedule not in train.EXTENDABLE_SCHEDULES:
-      raise ValueError(
-          f"extend_to needs train.schedule in {train.EXTENDABLE_SCHEDULES};"
-          f" {run.name} has {tr.schedule!r}.")
     config = copy.deepcopy(run.config)
-    config.train.num_steps = max(tr.num_steps, num_steps)
+    config.train.num_steps = max(run.config.train.num_steps, num_steps)
     out.append(dataclasses.replace(run, config=config))
   return out
+
+
+def check_extendable(runs: Sequence[Run]) -> None:
+  """Raises ValueError unless every run's schedule extends."""
+  for run in runs:
+    if run.config.train.schedule not in train.EXTENDABLE_SCHEDULES:
+      raise ValueError(
+          f"extend_to needs train.schedule in {train.EXTENDABLE_SCHEDULES};"
+          f" {run.name} has {run.config.train.schedule!r}.")
 
 
 def extend_rising(runs: Sequence[Run], workdir: str, step: int,
@@ -265,8 +270,10 @@ def extend_rising(runs: Sequence[Run], workdir: str, step: int,
     stored = train.stored_config(run_dir) or {}
     asked = stored.get("train", {}).get("num_steps", 0)
     steps = summary["steps"]
-    status = summary.get("status") or metrics_lib.run_status(
-        metrics_lib.read_records(os.path.join(run_dir, "metrics.jsonl")))
+    status = summary.get("status")
+    records = os.path.join(run_dir, "metrics.jsonl")
+    if status is None and os.path.exists(records):  # a summary before it
+      status = metrics_lib.run_status(metrics_lib.read_records(records))
     stop_at = run.config.train.stop_at_accuracy
     best = summary.get("best_eval_accuracy")
     if stop_at is not None and best is not None and best >= stop_at:
@@ -352,6 +359,7 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
     if extend_to is None:
       raise ValueError("extend_step needs extend_to (the most steps a run"
                        " is extended to).")
+    check_extendable(runs)  # before any first pass, not after
     check_workdir(runs, workdir)
     trained = _train_unfinished(runs, workdir, code_version)  # first passes
     while True:  # each round re-reads the statuses its runs finished with

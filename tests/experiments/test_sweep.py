@@ -138,6 +138,11 @@ def test_extend_step_continues_only_the_runs_still_rising(tmp_path):
   with pytest.raises(ValueError, match="extend_step must be an int >= 1"):
     sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=20,
                         extend_step=0)
+  cosine = kimi_synthetic_600steps.get_config()  # refused before training
+  with pytest.raises(ValueError, match="extend_to needs train.schedule"):
+    sweep_lib.run_sweep(cosine, str(tmp_path / "cosine"), extend_to=20,
+                        extend_step=3)
+  assert not os.path.exists(tmp_path / "cosine")
 
 
 def test_compare_gives_a_verdict_per_cell():
