@@ -7,7 +7,8 @@ for KDA, Gated DeltaNet (GDN) and softmax attention; here 3 seeds a cell and
   python -m experiments.sweep --config=configs/sweeps/kimi_synthetic.py \
       --workdir=workdirs/kimi_synthetic
   # runs still rising at their cap continue (exactly as longer runs would),
-  # 500 steps at a time until solved, plateaued or at MAX_STEPS:
+  # 500 steps at a time (a fresh 300-step status window past the old cap, at
+  # most 499 steps past a plateau) until solved, plateaued or at MAX_STEPS:
   python -m experiments.sweep ... --extend_to=3000 --extend_step=500
 
 Variants: `:calibration`, the learning-rate calibration (seed 0, the T=1024
@@ -30,10 +31,6 @@ MQAR_PAIRS = {256: 16, 512: 24, 1024: 32}  # vocabulary 4x: chance 1 / (2 N)
 # A first pass of every run; runs rising at it are extended up to MAX_STEPS.
 NUM_STEPS = 1000
 MAX_STEPS = 3000
-# Steps a still-rising run continues at a time (`--extend_step`): past the
-# old cap a fresh 300-step status window, and at most 499 steps trained past
-# a plateau.
-EXTEND_STEP = 500
 WARMUP_STEPS = 50
 CURRICULUM_STAGE = 200  # Palindrome: steps at each shorter doubling from 256
 CALIBRATION_RATES = (5e-4, 1e-3, 3e-3)  # the paper's grid tops out at 1e-3
