@@ -45,12 +45,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import kda_error_vs_length
 from benchmarks import kda_speed
 from linear_attention import ops
 from linear_attention import testing
@@ -257,18 +257,6 @@ def markdown(rows):
   return "\n".join(lines)
 
 
-def _commit() -> str | None:
-  """This checkout's git commit ('+dirty' with local changes), if any."""
-  try:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"],
-                           capture_output=True, text=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
-  return head + ("+dirty" if dirty else "")
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=10)
@@ -297,8 +285,8 @@ def main():
   machine = dict(platform=platform.platform(), cpu_count=os.cpu_count(),
                  device=jax.devices()[0].device_kind, jax=jax.__version__,
                  torch=torch.__version__,
-                 fla=getattr(fla, "__version__", None),
-                 commit=_commit())
+                 fla=getattr(fla, "__version__", None))
+  machine["commit"], machine["dirty"] = kda_error_vs_length.git_commit()
   result = dict(machine=machine, matmul_tflops=matmul_rates(), rows=[],
                 train_step=[])
   print(json.dumps(result, indent=1), flush=True)
