@@ -21,11 +21,16 @@ TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
 SOLVED, PLATEAUED, RISING = "solved", "plateaued", "rising at cap"
 STATUSES = (SOLVED, PLATEAUED, RISING)
 # "plateaued": over the last PLATEAU_WINDOW steps trained at >= half the
-# peak rate, the least-squares slope of held-out accuracy is below
-# PLATEAU_RISE per 100 steps (0.5 points). 300 steps hold 12 evaluations at
-# the sweeps' eval_every of 25, enough to see a rise through eval noise.
+# peak rate, and over the run's last PLATEAU_WINDOW steps, the least-squares
+# slope of held-out accuracy is below PLATEAU_RISE per 100 steps (0.5
+# points). 300 steps hold 12 evaluations at the sweeps' eval_every of 25,
+# enough to see a rise through eval noise. Under a constant rate the two
+# windows are one.
 PLATEAU_WINDOW = 300
 PLATEAU_RISE = 0.005
+# `pause_seconds`: a logging window slower per step than this many times its
+# run's median is a pause (a stopped or starved process), not training.
+PAUSE_FACTOR = 10.0
 
 
 class MetricsLog:
@@ -127,8 +132,10 @@ def run_status(records: Sequence[dict[str, Any]],
   SOLVED: some held-out accuracy >= `target`. PLATEAUED: the held-out
   accuracy rose less than PLATEAU_RISE per 100 steps (least squares) over
   the last PLATEAU_WINDOW steps trained at >= half the peak learning rate,
-  so a cosine schedule's low-rate tail cannot pass for a plateau. RISING:
-  anything else, including a run too short to hold such a window.
+  so a cosine schedule's low-rate tail cannot pass for a plateau, and over
+  the run's last PLATEAU_WINDOW steps, so neither can a run flat while the
+  rate was high that was still rising when it stopped. RISING: anything
+  else, including a run too short to hold such a window.
   """
   evals = [r for r in records if r["split"] == "eval"]
   if any(r["accuracy"] >= target for r in evals):
@@ -140,16 +147,48 @@ def run_status(records: Sequence[dict[str, Any]],
   peak = max(lr for _, lr in rates)
   hot = [step for step, lr in rates if lr >= 0.5 * peak]
   end = max(hot)
-  window = [r for r in evals if end - PLATEAU_WINDOW <= r["step"] <= end]
   # The rate is logged every log interval: the window is hot if its start
   # lies within one interval of the first hot record.
   interval = min(np.diff([step for step, _ in rates]), default=0)
-  if min(hot) > end - PLATEAU_WINDOW + interval or len(window) < 3:
+  if min(hot) > end - PLATEAU_WINDOW + interval:
     return RISING
-  steps = np.array([r["step"] for r in window], float)
-  accs = np.array([r["accuracy"] for r in window], float)
-  slope = np.polyfit(steps, accs, 1)[0]
-  return PLATEAUED if 100 * slope < PLATEAU_RISE else RISING
+  last = evals[-1]["step"]
+  for stop in sorted({end, last}):
+    window = [r for r in evals if stop - PLATEAU_WINDOW <= r["step"] <= stop]
+    if len(window) < 3:
+      return RISING
+    steps = np.array([r["step"] for r in window], float)
+    accs = np.array([r["accuracy"] for r in window], float)
+    if 100 * np.polyfit(steps, accs, 1)[0] >= PLATEAU_RISE:
+      return RISING
+  return PLATEAUED
+
+
+def _train_windows(records: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
+  """(steps, seconds) of each logged training window, over every resume."""
+  windows, previous = [], 0
+  for r in records:
+    if r["split"] == "train" and r.get("steps_per_second"):
+      steps = r["step"] - previous
+      windows.append((steps, steps / r["steps_per_second"]))
+      previous = r["step"]
+  return windows
+
+
+def pause_seconds(records: Sequence[dict[str, Any]],
+                  factor: float = PAUSE_FACTOR) -> float:
+  """The part of `train_seconds` spent in pauses, not in training.
+
+  A logging window whose time per step is over `factor` times the run's
+  median is a pause (the process stopped, or starved by other jobs): its
+  time beyond the median pace counts here. Compilation after a resume, a
+  few times the median over one window, does not.
+  """
+  windows = [(n, t) for n, t in _train_windows(records) if n > 0]
+  if not windows:
+    return 0.0
+  pace = float(np.median([t / n for n, t in windows]))
+  return float(sum(t - n * pace for n, t in windows if t > factor * n * pace))
 
 
 def train_seconds(records: Sequence[dict[str, Any]]) -> float:
@@ -160,9 +199,4 @@ def train_seconds(records: Sequence[dict[str, Any]]) -> float:
   included), so the sum is the run's whole training time, not only the
   last invocation's.
   """
-  total, previous = 0.0, 0
-  for r in records:
-    if r["split"] == "train" and r.get("steps_per_second"):
-      total += (r["step"] - previous) / r["steps_per_second"]
-      previous = r["step"]
-  return total
+  return float(sum(t for _, t in _train_windows(records)))

@@ -63,6 +63,7 @@ def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
   summary["status"] = ("diverged" if "error" in summary
                        else metrics_lib.run_status(records))
   summary["train_seconds"] = metrics_lib.train_seconds(records)
+  summary["pause_seconds"] = metrics_lib.pause_seconds(records)
   stored = train.stored_config(run_dir)
   summary["num_steps"] = cap if stored is None else stored["train"][
       "num_steps"]
@@ -153,6 +154,7 @@ def aggregate(sweep, workdir: str, *,
       metadata=metadata or {},
       num_runs=len(runs), num_finished=len(found),
       train_seconds=float(sum(s["train_seconds"] for _, s in found)),
+      pause_seconds=float(sum(s["pause_seconds"] for _, s in found)),
       cells=records,
       comparisons=compare(records, sweep.mixers),
       runs=[dict(name=r.name, **{k: v for k, v in s.items()})
@@ -246,10 +248,14 @@ def results_markdown(results: dict[str, Any]) -> str:
   lines += [
       f"{results['num_finished']} of {results['num_runs']} runs finished;"
       f" {results['train_seconds'] / 3600:.2f} hours of training, summed"
-      " over runs from their metrics (every resumed part included).", "",
+      " over runs from their metrics (every resumed part included), of which"
+      f" {results.get('pause_seconds', 0.0) / 3600:.2f} in pauses (logging"
+      f" windows over {metrics_lib.PAUSE_FACTOR:g}x their run's median time"
+      " per step: a stopped or starved process).", "",
       "Status of a run, from its metrics: solved (>= 99%), plateaued (held-out"
       " accuracy rising < 0.5 points per 100 steps over the last 300 steps at"
-      " >= half the peak rate), rising at cap (anything else).", "",
+      " >= half the peak rate and over the run's last 300 steps), rising at"
+      " cap (anything else).", "",
       "| task | T | mixer | lr | seeds | best acc % mean [min, max] |"
       " reached 99% | steps to 99% mean [min, max] | step cap | status |"
       " chance % |",

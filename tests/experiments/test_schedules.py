@@ -133,6 +133,11 @@ def test_run_status_reads_the_hot_part_of_the_curve():
   decayed = lambda s: 1.0 if s <= 600 else 0.1
   curve = [(s, 0.1 + 1e-3 * min(s, 600)) for s in steps]
   assert status(_records(curve, decayed)) == "rising at cap"
+  # Flat while the rate was high, rising in the low-rate tail: rising too.
+  curve = [(s, 0.1 + 1e-3 * max(s - 600, 0)) for s in steps]
+  assert status(_records(curve, decayed)) == "rising at cap"
+  # Flat in both: plateaued.
+  assert status(_records([(s, 0.1) for s in steps], decayed)) == "plateaued"
 
 
 def test_train_seconds_sums_every_logged_window():
@@ -140,6 +145,20 @@ def test_train_seconds_sums_every_logged_window():
              dict(step=10, split="eval", accuracy=0.0),
              dict(step=30, split="train", steps_per_second=4.0)]
   assert metrics_lib.train_seconds(records) == pytest.approx(5.0 + 5.0)
+
+
+def test_pause_seconds_counts_only_the_stopped_windows():
+  window = lambda step, sps: dict(step=step, split="train",
+                                  steps_per_second=sps)
+  # 10 steps a window at 2 steps/s (5 s); one window stopped for 600 s more.
+  records = [window(10 * i, 2.0) for i in range(1, 5)] + [
+      window(50, 10 / 605.0)] + [window(10 * i, 2.0) for i in range(6, 10)]
+  assert metrics_lib.train_seconds(records) == pytest.approx(8 * 5 + 605)
+  assert metrics_lib.pause_seconds(records) == pytest.approx(600)
+  # A slow first window (compilation, 4x the pace) is training.
+  records[0] = window(10, 0.5)
+  assert metrics_lib.pause_seconds(records) == pytest.approx(600)
+  assert metrics_lib.pause_seconds([]) == 0.0
 
 
 def test_metrics_log_drops_a_torn_last_line(tmp_path):
