@@ -1,6 +1,6 @@
 """Bytes each rank receives in KDA context parallelism, from traced shapes.
 
-    .venv/bin/python -m benchmarks.cp_comm
+    .venv/bin/python -m benchmarks.cp_comm [--out=benchmarks/results/cp_comm.json]
 
 For each (T, H, K, V, ranks) it traces `ops.kimi_delta_attention(...,
 context_axis="context")` inside `jax.shard_map` (B = 1, packed segment ids,
@@ -11,9 +11,11 @@ The baseline all-gathers the sequence inputs instead (q, k, g [T, H, K],
 v [T, H, V], beta [T, H], bfloat16): (R - 1) / R of all of them per rank.
 "training" is the layer's call (no states in or out); "+final" also returns
 the global final states (one psum of [N, H, K, V] float32, N = 4).
-Prints a markdown table.
+Prints a markdown table and writes the numbers to --out (with the commit).
 """
 
+import argparse
+import json
 import os
 
 # Simulated CPU devices for the meshes (a script, not library code).
@@ -25,6 +27,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from benchmarks import kda_error_vs_length  # pylint: disable=g-import-not-at-top,wrong-import-position
 from linear_attention import ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 AXIS = "context"
@@ -88,6 +91,12 @@ def sequence_gather_bytes(t, h, kd, vd, ranks):
 
 
 def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results/cp_comm.json")
+  a = parser.parse_args()
+  commit, dirty = kda_error_vs_length.git_commit()
+  result = dict(commit=commit, dirty=dirty, jax=jax.__version__,
+                segments=4, sequence_bytes_per_element=SEQ_BYTES, rows=[])
   print("| T | H | K | V | ranks | state passing, training | +final states"
         " | all-gather of q,k,v,g,beta (bf16) | ratio (training) |")
   print("|---|---|---|---|---|---|---|---|---|")
@@ -98,6 +107,13 @@ def main():
     mib = lambda x: f"{x / 2**20:.2f} MiB"
     print(f"| {t} | {h} | {kd} | {vd} | {ranks} | {mib(train)} |"
           f" {mib(final)} | {mib(seq)} | {seq / train:.0f}x |")
+    result["rows"].append(dict(
+        t=t, h=h, k=kd, v=vd, ranks=ranks, state_passing_bytes=float(train),
+        with_final_states_bytes=float(final),
+        sequence_all_gather_bytes=float(seq), ratio=float(seq / train)))
+  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+  with open(a.out, "w") as f:
+    json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ TPU roofline estimate for the fused Pallas kernels.
 
     .venv/bin/python -m benchmarks.csa_score          # S=4096 W=1024 H=16 D=64
     .venv/bin/python -m benchmarks.csa_score --small  # a quick smoke run
+    .venv/bin/python -m benchmarks.csa_score --out=benchmarks/results/csa_score_cpu.json
 
 Peak memory is XLA's compiled temp allocation
 (`jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes`):
@@ -10,10 +11,15 @@ deterministic, unlike wall-clock. Times are the median of a few runs on
 whatever device JAX picks (CPU here). The Pallas numbers are the kernels'
 `cost_estimate` (FLOPs, HBM bytes) against TPU v6e peak bf16 FLOP/s and HBM
 bandwidth from `pltpu.get_tpu_info_for_chip`: an estimate, not a measurement.
+Prints markdown tables; `--out=PATH` also writes the numbers as JSON, with
+the commit and the machine's float32 matmul rate.
 """
 
+import argparse
+import json
+import os
+import platform
 import statistics
-import sys
 import time
 
 import jax
@@ -21,6 +27,8 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import kda_error_vs_length
+from benchmarks import kda_speed
 from linear_attention import ops
 from linear_attention.ops.csa import pallas
 
@@ -59,10 +67,18 @@ def measure(f, args, reps):
   return temp, statistics.median(times)
 
 
-def main(small):
+def main(small, out=None):
   b, s, w, h, d, r = (1, 512, 128, 4, 32, 4) if small else \
       (1, 4096, 1024, 16, 64, 4)
   reps = 3
+  commit, dirty = kda_error_vs_length.git_commit()
+  result = dict(commit=commit, dirty=dirty,
+                machine=dict(platform=platform.platform(),
+                             cpu_count=os.cpu_count(),
+                             device=str(jax.devices()[0]), jax=jax.__version__),
+                matmul_gflops=kda_speed.matmul_gflops(),
+                shape=dict(b=b, s=s, w=w, h=h, d=d, r=r), dtype="float32",
+                timed_runs=reps, xla=[], pallas_tpu_v6e_estimate=[])
   args = inputs(b, s, w, h, d)
   print(f"B={b} S={s} W={w} H={h} D={d} r={r}, float32, device:"
         f" {jax.devices()[0].device_kind}, {reps} timed runs (median)\n")
@@ -76,6 +92,9 @@ def main(small):
     print(f"| {name} | {m0 / 2**20:.1f} MiB | {m1 / 2**20:.1f} MiB |"
           f" {m0 / m1:.1f}x less | {t0 * 1e3:.0f} ms | {t1 * 1e3:.0f} ms |"
           f" {t1 / t0:.2f}x |")
+    result["xla"].append(dict(
+        **{"pass": name}, reference_temp_bytes=m0, xla_chunked_temp_bytes=m1,
+        reference_seconds=t0, xla_chunked_seconds=t1))
 
   # Pallas kernels on TPU v6e: roofline from the kernels' own cost estimate.
   info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V6E, 1)
@@ -102,7 +121,18 @@ def main(small):
     print(f"| {name} | {c.flops / 1e9:.1f} | {c.bytes_accessed / 1e6:.1f} |"
           f" {ai:.0f} | {t * 1e6:.0f} us | {t * live * 1e6:.0f} us |"
           f" {'compute' if ai > ridge else 'memory'} (ridge {ridge:.0f}) |")
+    result["pallas_tpu_v6e_estimate"].append(dict(
+        **{"pass": name}, flops=float(c.flops), hbm_bytes=float(c.bytes_accessed),
+        roofline_seconds=t, live_tile_fraction=live))
+  if out:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
-  main(small="--small" in sys.argv[1:])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--small", action="store_true", help="a quick smoke run")
+  parser.add_argument("--out", default=None, help="also write JSON here")
+  flags = parser.parse_args()
+  main(small=flags.small, out=flags.out)
