@@ -7,8 +7,9 @@ TPU roofline estimate for the fused Pallas kernels.
 
 Peak memory is XLA's compiled temp allocation
 (`jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes`):
-deterministic, unlike wall-clock. Times are the median of a few runs on
-whatever device JAX picks (CPU here). The Pallas numbers are the kernels'
+deterministic, unlike wall-clock. Times are medians over rounds that call
+both implementations in turn (`kda_speed.time_rounds`), the ratio the median
+of the per-round ratios, on whatever device JAX picks (CPU here). The Pallas numbers are the kernels'
 `cost_estimate` (FLOPs, HBM bytes) against TPU v6e peak bf16 FLOP/s and HBM
 bandwidth from `pltpu.get_tpu_info_for_chip`: an estimate, not a measurement.
 Prints markdown tables; `--out=PATH` also writes the numbers as JSON, with
@@ -20,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import time
 
 import jax
 from jax.experimental.pallas import tpu as pltpu
@@ -55,22 +55,15 @@ def fns(backend, r):
   return {"forward": fwd, "forward+backward": fwd_bwd}
 
 
-def measure(f, args, reps):
-  compiled = jax.jit(f).lower(*args).compile()
-  temp = compiled.memory_analysis().temp_size_in_bytes
-  jax.block_until_ready(compiled(*args))  # warm up
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t)
-  return temp, statistics.median(times)
+def temp_bytes(f, args):
+  return jax.jit(f).lower(*args).compile().memory_analysis(
+  ).temp_size_in_bytes
 
 
 def main(small, out=None):
   b, s, w, h, d, r = (1, 512, 128, 4, 32, 4) if small else \
       (1, 4096, 1024, 16, 64, 4)
-  reps = 3
+  reps = 7
   commit, dirty = kda_error_vs_length.git_commit()
   result = dict(commit=commit, dirty=dirty,
                 machine=dict(platform=platform.platform(),
@@ -78,23 +71,32 @@ def main(small, out=None):
                              device=str(jax.devices()[0]), jax=jax.__version__),
                 matmul_gflops=kda_speed.matmul_gflops(),
                 shape=dict(b=b, s=s, w=w, h=h, d=d, r=r), dtype="float32",
-                timed_runs=reps, xla=[], pallas_tpu_v6e_estimate=[])
+                paired_rounds=reps, xla=[], pallas_tpu_v6e_estimate=[])
   args = inputs(b, s, w, h, d)
   print(f"B={b} S={s} W={w} H={h} D={d} r={r}, float32, device:"
-        f" {jax.devices()[0].device_kind}, {reps} timed runs (median)\n")
+        f" {jax.devices()[0].device_kind}, {reps} paired rounds (median)\n")
   print("| pass | reference temp | xla_chunked temp | memory ratio |"
         " reference time | xla_chunked time | time ratio |")
   print("|---|---|---|---|---|---|---|")
   ref_fns, chunk_fns = fns("reference", r), fns("xla_chunked", r)
   for name in ref_fns:
-    m0, t0 = measure(ref_fns[name], args, reps)
-    m1, t1 = measure(chunk_fns[name], args, reps)
+    m0 = temp_bytes(ref_fns[name], args)
+    m1 = temp_bytes(chunk_fns[name], args)
+    jitted = {"reference": jax.jit(ref_fns[name]),
+              "xla_chunked": jax.jit(chunk_fns[name])}
+    for f in jitted.values():
+      jax.block_until_ready(f(*args))  # compile and warm up
+    times = kda_speed.time_rounds(jitted, args, reps)
+    t0 = statistics.median(times["reference"])
+    t1 = statistics.median(times["xla_chunked"])
+    ratio = kda_speed.paired(times["xla_chunked"], times["reference"])
     print(f"| {name} | {m0 / 2**20:.1f} MiB | {m1 / 2**20:.1f} MiB |"
           f" {m0 / m1:.1f}x less | {t0 * 1e3:.0f} ms | {t1 * 1e3:.0f} ms |"
-          f" {t1 / t0:.2f}x |")
+          f" {ratio:.2f}x |")
     result["xla"].append(dict(
         **{"pass": name}, reference_temp_bytes=m0, xla_chunked_temp_bytes=m1,
-        reference_seconds=t0, xla_chunked_seconds=t1))
+        reference_seconds=times["reference"],
+        xla_chunked_seconds=times["xla_chunked"], time_ratio=ratio))
 
   # Pallas kernels on TPU v6e: roofline from the kernels' own cost estimate.
   info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion.TPU_V6E, 1)
