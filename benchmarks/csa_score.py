@@ -9,9 +9,10 @@ Peak memory is XLA's compiled temp allocation
 (`jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes`):
 deterministic, unlike wall-clock. Times are medians over rounds that call
 both implementations in turn (`kda_speed.time_rounds`), the ratio the median
-of the per-round ratios, on whatever device JAX picks (CPU here). The Pallas numbers are the kernels'
-`cost_estimate` (FLOPs, HBM bytes) against TPU v6e peak bf16 FLOP/s and HBM
-bandwidth from `pltpu.get_tpu_info_for_chip`: an estimate, not a measurement.
+of the per-round ratios, on whatever device JAX picks (CPU here). The
+Pallas numbers are the kernels' `cost_estimate` (FLOPs, HBM bytes) against
+TPU v6e peak bf16 FLOP/s and HBM bandwidth from
+`pltpu.get_tpu_info_for_chip`: an estimate, not a measurement.
 Prints markdown tables; `--out=PATH` also writes the numbers as JSON, with
 the commit and the machine's float32 matmul rate.
 """
@@ -55,11 +56,6 @@ def fns(backend, r):
   return {"forward": fwd, "forward+backward": fwd_bwd}
 
 
-def temp_bytes(f, args):
-  return jax.jit(f).lower(*args).compile().memory_analysis(
-  ).temp_size_in_bytes
-
-
 def main(small, out=None):
   b, s, w, h, d, r = (1, 512, 128, 4, 32, 4) if small else \
       (1, 4096, 1024, 16, 64, 4)
@@ -80,10 +76,10 @@ def main(small, out=None):
   print("|---|---|---|---|---|---|---|")
   ref_fns, chunk_fns = fns("reference", r), fns("xla_chunked", r)
   for name in ref_fns:
-    m0 = temp_bytes(ref_fns[name], args)
-    m1 = temp_bytes(chunk_fns[name], args)
     jitted = {"reference": jax.jit(ref_fns[name]),
               "xla_chunked": jax.jit(chunk_fns[name])}
+    m0 = kda_speed.temp_bytes(jitted["reference"], args)
+    m1 = kda_speed.temp_bytes(jitted["xla_chunked"], args)
     for f in jitted.values():
       jax.block_until_ready(f(*args))  # compile and warm up
     times = kda_speed.time_rounds(jitted, args, reps)
@@ -124,8 +120,9 @@ def main(small, out=None):
           f" {ai:.0f} | {t * 1e6:.0f} us | {t * live * 1e6:.0f} us |"
           f" {'compute' if ai > ridge else 'memory'} (ridge {ridge:.0f}) |")
     result["pallas_tpu_v6e_estimate"].append(dict(
-        **{"pass": name}, flops=float(c.flops), hbm_bytes=float(c.bytes_accessed),
-        roofline_seconds=t, live_tile_fraction=live))
+        **{"pass": name}, flops=float(c.flops),
+        hbm_bytes=float(c.bytes_accessed), roofline_seconds=t,
+        live_tile_fraction=live))
   if out:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
