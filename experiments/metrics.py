@@ -164,7 +164,8 @@ def run_status(records: Sequence[dict[str, Any]],
   return PLATEAUED
 
 
-def _train_windows(records: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
+def _train_windows(
+    records: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
   """(steps, seconds) of each logged training window, over every resume."""
   windows, previous = [], 0
   for r in records:
