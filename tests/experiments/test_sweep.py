@@ -150,14 +150,20 @@ def test_compare_gives_a_verdict_per_cell():
     return dict(task="mqar", seq_len=64, mixer=mixer,
                 best_by_seed=dict(enumerate(best)))
   cells = [cell("kda", [0.5, 0.6, 0.7]), cell("gdn", [0.4, 0.5, 0.6]),
-           cell("attention", [0.6, 0.5, 0.9]), cell("none", [1.0, 0.995])]
+           cell("attention", [0.6, 0.5, 0.9]), cell("none", [1.0, 0.995]),
+           cell("tie", [0.505, 0.595, 0.708]),
+           cell("near", [0.495, 0.57, 0.68])]
   out = {c["other"]: c for c in sweep_report.compare(
-      cells, ("kda", "gdn", "attention", "none"))}
+      cells, ("kda", "gdn", "attention", "none", "tie", "near"))}
   assert out["gdn"]["verdict"] == "ahead in every seed"
   assert out["gdn"]["difference"]["mean"] == pytest.approx(0.1)
   assert out["attention"]["verdict"] == "mixed"
   assert out["none"]["seeds"] == [0, 1]
   assert out["none"]["verdict"] == "behind in every seed"
+  # Gaps within TIE_MARGIN (1 point) are no order; one seed inside it and
+  # the others ahead is no order in every seed either.
+  assert out["tie"]["verdict"] == "within 1 point in every seed"
+  assert out["near"]["verdict"] == "mixed"
   solved = [cell("kda", [0.99, 1.0]), cell("gdn", [1.0, 0.995])]
   (both,) = sweep_report.compare(solved, ("kda", "gdn"))
   assert both["verdict"] == "both solve in every seed"
