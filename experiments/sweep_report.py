@@ -285,6 +285,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f" {r['num_steps']}{_stages(r.get('length_curriculum'))} |"
         f" {_statuses(r.get('statuses'))} |"
         f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
+  lines += _overview_lines(results["cells"])
   lines += _comparison_lines(results.get("comparisons", ()))
   lines += _length_lines(
       results["cells"], "length_accuracy", "Length generalisation: final"
@@ -327,6 +328,44 @@ def _length_lines(cells, key: str, heading: str, fmt, *,
 def _statuses(statuses) -> str:
   """'2 solved, 1 rising at cap' (or '-' for runs that predate it)."""
   return ", ".join(f"{n} {st}" for st, n in (statuses or {}).items()) or "-"
+
+
+def _overview_lines(cells) -> list[str]:
+  """One row per (task, length), one column per mixer: the README's table."""
+  mixers = list(dict.fromkeys(c["mixer"] for c in cells))
+  rows: dict[tuple[str, int], dict[str, Any]] = {}
+  for c in cells:
+    if c["best_accuracy"] is not None:
+      rows.setdefault((c["task"], c["seq_len"]), {})[c["mixer"]] = c
+  if len(mixers) < 2 or not rows:
+    return []
+  lines = ["", "## Overview: best held-out accuracy %, mean [min, max] over"
+           " seeds", "",
+           "(n) seeds; steps to 99% (mean) where every seed reached it; †"
+           " where a run of the cell was still rising at its cap.", "",
+           "| task | T | chance % | " + " | ".join(mixers) + " |",
+           "|---|---|---|" + "---|" * len(mixers)]
+  for (task, seq_len), by_mixer in sorted(rows.items()):
+    cols = []
+    for m in mixers:
+      c = by_mixer.get(m)
+      if c is None:
+        cols.append("-")
+        continue
+      acc = c["best_accuracy"]
+      col = (f"{_pct(acc, 'mean')} [{_pct(acc, 'min')}, {_pct(acc, 'max')}]"
+             f" ({len(c['seeds'])})")
+      if c["steps_to_99"] is not None and (
+          c["num_reached_99"] == len(c["seeds"])):
+        col += f", 99% at {c['steps_to_99']['mean']:.0f}"
+      if (c.get("statuses") or {}).get(metrics_lib.RISING):
+        col += " †"
+      cols.append(col)
+    chance = next(iter(by_mixer.values()))["chance_accuracy"]
+    lines.append(f"| {task} | {seq_len} |"
+                 f" {'-' if chance is None else f'{100 * chance:.1f}'} | "
+                 + " | ".join(cols) + " |")
+  return lines
 
 
 def _comparison_lines(comparisons) -> list[str]:

@@ -169,6 +169,23 @@ def test_compare_gives_a_verdict_per_cell():
   assert both["verdict"] == "both solve in every seed"
 
 
+def test_overview_is_one_row_per_task_and_length():
+  def cell(mixer, best, steps=None, statuses=None):
+    return dict(task="mqar", seq_len=64, mixer=mixer, chance_accuracy=0.25,
+                seeds=list(range(len(best))),
+                best_accuracy=dict(mean=np.mean(best), min=min(best),
+                                   max=max(best)),
+                steps_to_99=steps, num_reached_99=sum(b >= 0.99 for b in best),
+                statuses=statuses)
+  lines = sweep_report._overview_lines([
+      cell("kda", [1.0, 0.99], dict(mean=150.0, min=100.0, max=200.0),
+           {"solved": 2}),
+      cell("gdn", [0.995, 0.5], dict(mean=300.0, min=300.0, max=300.0),
+           {"solved": 1, "rising at cap": 1})])
+  assert lines[-1] == ("| mqar | 64 | 25.0 | 99.5 [99.0, 100.0] (2), 99% at"
+                       " 150 | 74.8 [50.0, 99.5] (2) † |")
+
+
 def test_sweep_config_errors():
   sweep = kimi_synthetic.get_config("smoke")
   with pytest.raises(ValueError, match="variant"):
