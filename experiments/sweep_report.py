@@ -21,6 +21,7 @@ Runs are read from their directories (experiments/sweep_lib.py lays them
 out); a run's status and training time come from its metrics.
 """
 
+import glob
 import json
 import math
 import os
@@ -89,6 +90,23 @@ def _bits_per_byte(summary) -> dict[str, float] | None:
   return dict(sorted(bits.items(), key=lambda kv: int(kv[0])))
 
 
+def workdir_compute(workdir: str) -> dict[str, float]:
+  """Training time of every run directory in `workdir`, finished or not.
+
+  The sweep's own totals cover its finished runs; the compute a study spent
+  also holds runs still training and runs of other configurations kept in
+  the same workdir (a calibration). {runs, train_seconds, pause_seconds}.
+  """
+  out = dict(runs=0, train_seconds=0.0, pause_seconds=0.0)
+  for path in sorted(glob.glob(os.path.join(workdir, "*", "*",
+                                            "metrics.jsonl"))):
+    records = metrics_lib.read_records(path)
+    out["runs"] += 1
+    out["train_seconds"] += metrics_lib.train_seconds(records)
+    out["pause_seconds"] += metrics_lib.pause_seconds(records)
+  return out
+
+
 def _stats(values: Sequence[float]) -> dict[str, float] | None:
   if not values:
     return None
@@ -155,6 +173,7 @@ def aggregate(sweep, workdir: str, *,
       num_runs=len(runs), num_finished=len(found),
       train_seconds=float(sum(s["train_seconds"] for _, s in found)),
       pause_seconds=float(sum(s["pause_seconds"] for _, s in found)),
+      workdir_compute=workdir_compute(workdir),
       cells=records,
       comparisons=compare(records, sweep.mixers),
       runs=[dict(name=r.name, **{k: v for k, v in s.items()})
@@ -261,7 +280,15 @@ def results_markdown(results: dict[str, Any]) -> str:
       " over runs from their metrics (every resumed part included), of which"
       f" {results.get('pause_seconds', 0.0) / 3600:.2f} in pauses (logging"
       f" windows over {metrics_lib.PAUSE_FACTOR:g}x their run's median time"
-      " per step: a stopped or starved process).", "",
+      " per step: a stopped or starved process).", ""]
+  spent = results.get("workdir_compute")
+  if spent and spent["runs"]:
+    lines += [
+        f"All {spent['runs']} run directories in the workdir (unfinished runs"
+        " and other configurations' runs, such as a calibration, included):"
+        f" {spent['train_seconds'] / 3600:.2f} hours, of which"
+        f" {spent['pause_seconds'] / 3600:.2f} in pauses.", ""]
+  lines += [
       "Status of a run, from its metrics: solved (>= 99%), plateaued (held-out"
       " accuracy rising < 0.5 points per 100 steps over the last 300 steps at"
       " >= half the peak rate and over the run's last 300 steps), rising at"

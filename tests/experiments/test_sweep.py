@@ -13,6 +13,7 @@ import pytest
 from configs.sweeps import kimi_synthetic
 from configs.sweeps import kimi_synthetic_600steps
 from configs.sweeps import parity as sweep_parity
+from experiments import metrics
 from experiments import program as program_lib
 from experiments import recall
 from experiments import sweep_lib
@@ -270,6 +271,19 @@ def test_smoke_sweep_aggregates_its_seeds(smoke_sweep, tmp_path):
     md = f.read()
   assert "2 of 13 runs finished" in md and "| stack | 32 | kda |" in md
   assert "Runs trained at: c1 (2 runs)." in md
+  # The workdir's compute counts run directories outside the sweep too (a
+  # calibration's), and every part of the sweep's own.
+  spent = results["workdir_compute"]
+  assert spent["train_seconds"] >= results["train_seconds"] > 0
+  other = os.path.join(workdir, "calibration_T32", "kda_seed0_lr0.01")
+  os.makedirs(other)
+  shutil.copy(os.path.join(workdir, "stack_T32/kda_seed0_lr0.003",
+                           "metrics.jsonl"), other)
+  again = sweep_report.aggregate(sweep, workdir)["workdir_compute"]
+  assert again["runs"] == spent["runs"] + 1
+  assert again["train_seconds"] == pytest.approx(
+      spent["train_seconds"] + metrics.train_seconds(
+          metrics.read_records(os.path.join(other, "metrics.jsonl"))))
 
 
 @pytest.mark.xdist_group("smoke_sweep")
