@@ -43,6 +43,8 @@ def plot_bands_by_task(
     chance: Mapping[str, float | None], log_x: bool, xlabel: str,
     ylabel: str, title: str, path: str,
     rising: Mapping[tuple[str, str], Sequence[bool]] | None = None,
+    per_seed: Mapping[tuple[str, str], Sequence[Sequence[float]]]
+    | None = None,
     percent: bool = True) -> None:
   """One panel per task; per mixer a mean line with a min-max band.
 
@@ -58,6 +60,9 @@ def plot_bands_by_task(
     path: where to write the PNG.
     rising: (task, mixer) -> per point, whether a run behind it was still
       rising at its step cap (drawn as a large open marker).
+    per_seed: (task, mixer) -> per point, each seed's value (small dots,
+      nudged sideways per mixer so that mixers' seeds do not hide each
+      other): a band cannot tell two seeds at the top from one.
     percent: the values are fractions drawn as percent on a 0-100 axis;
       False draws them as they are (a loss), on an axis fitted to them.
   """
@@ -77,6 +82,14 @@ def plot_bands_by_task(
               label=mixer)
       ax.fill_between(x, pct(low), pct(high), color=colors[mixer],
                       alpha=0.2, linewidth=0)
+      seeds = (per_seed or {}).get((task, mixer))
+      if seeds:
+        nudge = 2 ** (0.05 * (mixers.index(mixer) - (len(mixers) - 1) / 2))
+        dots = [(xi * nudge if log_x else xi, v)
+                for xi, vals in zip(x, seeds) for v in vals]
+        ax.plot([d[0] for d in dots], pct([d[1] for d in dots]),
+                linestyle="none", marker=".", markersize=4, alpha=0.6,
+                color=colors[mixer])
       flags = (rising or {}).get((task, mixer), ())
       open_x = [xi for xi, f in zip(x, flags) if f]
       if open_x:

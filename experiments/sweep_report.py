@@ -480,7 +480,7 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
       xlabel="evaluation length T (bytes)", ylabel="held-out bits per byte",
       title="final parameters at the training length and longer (mean, band:"
       " min-max over seeds)")
-  series, rising = {}, {}
+  series, rising, per_seed = {}, {}, {}
   for task in tasks:
     for mixer in mixers:
       rows = sorted((c for c in cells
@@ -490,6 +490,9 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
       if rows:
         rising[(task, mixer)] = [
             metrics_lib.RISING in (c.get("statuses") or {}) for c in rows]
+        per_seed[(task, mixer)] = [
+            [v for v in (c.get("best_by_seed") or {}).values()
+             if v is not None] for c in rows]
         series[(task, mixer)] = (
             [c["seq_len"] for c in rows],
             [c["best_accuracy"]["mean"] for c in rows],
@@ -501,8 +504,9 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
       series, tasks=tasks, mixers=mixers, chance=chance, log_x=True,
       xlabel="sequence length T", ylabel="best held-out accuracy (%)",
       title="best held-out accuracy vs length (mean, band: min-max over"
-      " seeds)", path=os.path.join(workdir, "accuracy_vs_length.png"),
-      rising=rising)
+      " seeds, dots: seeds)",
+      path=os.path.join(workdir, "accuracy_vs_length.png"),
+      rising=rising, per_seed=per_seed)
   curve_len = sweep.get("curve_seq_len")
   if not curve_len:
     return
