@@ -55,6 +55,23 @@ def test_the_kimi_synthetic_runs_are_valid_and_shared_where_equal():
                    for lr in kimi_synthetic.CALIBRATION_RATES} | {
                        ("attention", 1e-2)}
   assert len(calibration) == 3 * 3 * 3 + 1
+  # The T = 256 rate checks: seed 0 at rates the protocol does not run
+  # there, so each is a run of its own beside the protocol's.
+  checks = [r for arg in ("rates256_stack", "rates256_palindrome")
+            for r in sweep_lib.expand(kimi_synthetic.get_config(arg))]
+  assert {(r.task, r.mixer, r.learning_rate) for r in checks} == {
+      ("stack", "attention", 5e-4), ("stack", "attention", 1e-3),
+      ("stack", "attention", 1e-2), ("palindrome", "kda", 1e-3),
+      ("palindrome", "gdn", 3e-3)}
+  assert all(r.seq_len == 256 and r.seed == 0 and r.name not in protocol
+             for r in checks)
+  for r in checks:  # the protocol's cell but for the rate
+    (same,) = [p for p in runs if (p.task, p.seq_len, p.mixer, p.seed) == (
+        r.task, 256, r.mixer, 0)]
+    mine, theirs = r.config.to_dict(), same.config.to_dict()
+    assert mine["train"].pop("learning_rate") != theirs["train"].pop(
+        "learning_rate")
+    assert mine == theirs
   for r in sweep_lib.expand(kimi_synthetic_600steps.get_config()):
     program_lib.validate_config(r.config)
 
