@@ -21,17 +21,20 @@ Runs are read from their directories (experiments/sweep_lib.py lays them
 out); a run's status and training time come from its metrics.
 """
 
+import functools
 import glob
 import json
 import math
 import os
 from typing import Any, Sequence
 
+import ml_collections
 import numpy as np
 
 from experiments import metrics as metrics_lib
 from experiments import plotting
 from experiments import sweep_lib
+from experiments import tasks as tasks_lib
 from experiments import train
 
 
@@ -88,6 +91,30 @@ def _bits_per_byte(summary) -> dict[str, float] | None:
   for n, loss in (summary.get("length_loss") or {}).items():
     bits[n] = loss / math.log(2)
   return dict(sorted(bits.items(), key=lambda kv: int(kv[0])))
+
+
+@functools.cache
+def _baseline(task_json: str, seed: int, batches: int, batch_size: int
+              ) -> float | None:
+  fields = json.loads(task_json)
+  if not hasattr(tasks_lib.TASKS.get(fields["name"]), "baseline_accuracy"):
+    return None  # before building it: a corpus task reads its files
+  task = tasks_lib.make_task(**fields)
+  config = ml_collections.ConfigDict(dict(
+      seed=seed, train=dict(eval_batches=batches,
+                            eval_batch_size=batch_size)))
+  held = [tasks_lib.Batch(**b) for b in train.eval_set(config, task)]
+  scored = [b.mask.sum() for b in held]
+  return float(np.average([task.baseline_accuracy(b) for b in held],
+                          weights=scored))
+
+
+def baseline_accuracy(config) -> float | None:
+  """A task's memory-light baseline (`task.baseline_accuracy`, e.g. Stack's
+  last push per stack) on the run's own held-out set, or None."""
+  tr = config.train
+  return _baseline(json.dumps(config.task.to_dict(), sort_keys=True),
+                   config.seed, tr.eval_batches, tr.eval_batch_size)
 
 
 def workdir_compute(workdir: str) -> dict[str, float]:
@@ -162,6 +189,9 @@ def aggregate(sweep, workdir: str, *,
         bits_per_byte=_length_stats((s for _, s in items),
                                     key="bits_per_byte"),
         num_params=items[0][1].get("num_params"),
+        baseline_accuracy=_stats([b for r, _ in items
+                                  if (b := baseline_accuracy(r.config))
+                                  is not None]),
     ))
   order = {m: i for i, m in enumerate(
       list(sweep.mixers) + [sweep.get("ablation", {}).get("mixer")])}
@@ -366,12 +396,18 @@ def _overview_lines(cells) -> list[str]:
       rows.setdefault((c["task"], c["seq_len"]), {})[c["mixer"]] = c
   if len(mixers) < 2 or not rows:
     return []
+  baselines = any(c.get("baseline_accuracy") for c in cells)
   lines = ["", "## Overview: best held-out accuracy %, mean [min, max] over"
            " seeds", "",
            "(n) seeds; steps to 99% (mean) where every seed reached it; †"
-           " where a run of the cell was still rising at its cap.", "",
-           "| task | T | chance % | " + " | ".join(mixers) + " |",
-           "|---|---|---|" + "---|" * len(mixers)]
+           " where a run of the cell was still rising at its cap."
+           + (" Baseline: a task's memory-light rule on the same held-out"
+              " sets (Stack: the last value pushed onto the popped stack,"
+              " POPs ignored), mean over the seeds' sets." if baselines
+              else ""), "",
+           "| task | T | chance % | " + ("baseline % | " if baselines else "")
+           + " | ".join(mixers) + " |",
+           "|---|---|---|" + "---|" * (len(mixers) + baselines)]
   for (task, seq_len), by_mixer in sorted(rows.items()):
     cols = []
     for m in mixers:
@@ -389,6 +425,10 @@ def _overview_lines(cells) -> list[str]:
         col += " †"
       cols.append(col)
     chance = next(iter(by_mixer.values()))["chance_accuracy"]
+    if baselines:
+      base = next((c["baseline_accuracy"] for c in by_mixer.values()
+                   if c.get("baseline_accuracy")), None)
+      cols.insert(0, "-" if base is None else _pct(base, "mean"))
     lines.append(f"| {task} | {seq_len} |"
                  f" {'-' if chance is None else f'{100 * chance:.1f}'} | "
                  + " | ".join(cols) + " |")

@@ -76,7 +76,9 @@ quiet_orbax_logs = checkpoints.quiet_orbax_logs
 validate_config = program_lib.validate_config
 
 
-def _eval_set(config, task) -> list[dict[str, np.ndarray]]:
+def eval_set(config, task) -> list[dict[str, np.ndarray]]:
+  """The run's held-out batches: `train.eval_batches` of its seed's
+  EVAL_STREAM (the same for every mixer at that seed)."""
   tr = config.train
   task = tasks_lib.held_out(task)
   return [task.sample(tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
@@ -84,10 +86,10 @@ def _eval_set(config, task) -> list[dict[str, np.ndarray]]:
           for i in range(tr.eval_batches)]
 
 
-def _evaluate(prog, params, eval_set) -> tuple[float, float]:
+def _evaluate(prog, params, eval_batches) -> tuple[float, float]:
   """(loss, accuracy) over the held-out set, weighted by scored tokens."""
   losses, accs, counts = [], [], []
-  for batch in eval_set:
+  for batch in eval_batches:
     loss, acc = jax.device_get(prog.eval_step(params, prog.put_batch(batch)))
     losses.append(loss)
     accs.append(acc)
@@ -133,7 +135,7 @@ def _length_evals(config, prog, params) -> dict[str, dict[str, float]]:
   accuracy, loss = {}, {}
   for seq_len in config.train.get("eval_lengths", ()):
     loss[str(seq_len)], accuracy[str(seq_len)] = _evaluate(
-        prog, params, _eval_set(config, _task_at(config, seq_len)))
+        prog, params, eval_set(config, _task_at(config, seq_len)))
     logging.info("Length generalisation: T=%d held-out accuracy %.4f, loss"
                  " %.4f.", seq_len, accuracy[str(seq_len)],
                  loss[str(seq_len)])
@@ -406,8 +408,8 @@ def _restore(workdir, ckpt, tr, stored, params, opt_state):
   return start, params, opt_state
 
 
-def _train_loop(config, prog, ckpt, log, eval_set, params, opt_state, start,
-                last):
+def _train_loop(config, prog, ckpt, log, eval_batches, params, opt_state,
+                start, last):
   """Steps `start + 1 .. last`, logging, evaluating and saving on the way.
 
   Returns the parameters and the last step trained (before `last` when the
@@ -440,7 +442,7 @@ def _train_loop(config, prog, ckpt, log, eval_set, params, opt_state, start,
       window = [time.time(), 0]
     solved = False
     if evaluates:
-      loss, acc = _evaluate(prog, params, eval_set)
+      loss, acc = _evaluate(prog, params, eval_batches)
       log.write(dict(step=done, split="eval", loss=loss, accuracy=acc))
       logging.info("step %d  held-out loss %.4f  accuracy %.4f", done, loss,
                    acc)
@@ -493,7 +495,7 @@ def _train_and_evaluate(config, workdir, stop_at_step):
     logging.info("Mesh: data %d x context %d devices (batch split over data,"
                  " sequence over context).", config.mesh.data,
                  config.mesh.context)
-  eval_set = _eval_set(config, task)
+  eval_batches = eval_set(config, task)
 
   params = prog.init(jax.random.key(config.seed),
                      jnp.zeros((1, task.seq_len), jnp.int32))
@@ -522,11 +524,11 @@ def _train_and_evaluate(config, workdir, stop_at_step):
   last = tr.num_steps if stop_at_step is None else min(stop_at_step,
                                                        tr.num_steps)
   if start == 0 and not log.evals():  # a restart from 0 logged it already
-    loss, acc = _evaluate(prog, params, eval_set)
+    loss, acc = _evaluate(prog, params, eval_batches)
     log.write(dict(step=0, split="eval", loss=loss, accuracy=acc))
 
   t0 = time.time()
-  params, last = _train_loop(config, prog, ckpt, log, eval_set, params,
+  params, last = _train_loop(config, prog, ckpt, log, eval_batches, params,
                              opt_state, start, last)
   ckpt.wait_until_finished()
   ckpt.close()

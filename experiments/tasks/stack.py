@@ -122,6 +122,33 @@ class Stack:
     out[~mask] = -1
     return out
 
+  def baseline_accuracy(self, batch: base.Batch) -> float:
+    """Accuracy of recalling the last value pushed onto the popped stack.
+
+    A model that keeps, per stack, only its most recent PUSH and ignores the
+    POPs (associative recall by stack id) is right unless that value was
+    popped already, and then by chance when an older value equals it. A
+    Stack score shows the stack discipline only above this bar, which at the
+    suite's 64 stacks and push probability 0.5 is most of the way to 100%.
+    """
+    inputs, targets = np.asarray(batch.inputs), np.asarray(batch.targets)
+    mask = np.asarray(batch.mask) > 0
+    right = 0
+    for i in range(inputs.shape[0]):
+      last: dict[int, int] = {}  # stack id -> value of its latest PUSH
+      p, t = 0, inputs.shape[1]
+      while p < t:
+        if inputs[i, p] == PUSH and p + 2 < t:
+          last[int(inputs[i, p + 1])] = int(inputs[i, p + 2])
+          p += 3
+        elif inputs[i, p] == POP and p + 1 < t:
+          if mask[i, p + 1]:
+            right += last[int(inputs[i, p + 1])] == targets[i, p + 1]
+          p += 2
+        else:
+          p += 1
+    return right / max(int(mask.sum()), 1)
+
   def sample(self, rng: np.random.Generator, batch_size: int) -> base.Batch:
     base.check_positive_int("batch_size", batch_size)
     shape = (batch_size, self.seq_len)

@@ -202,6 +202,16 @@ def test_overview_is_one_row_per_task_and_length():
            {"solved": 1, "rising at cap": 1})])
   assert lines[-1] == ("| mqar | 64 | 25.0 | 99.5 [99.0, 100.0] (2), 99% at"
                        " 150 | 74.8 [50.0, 99.5] (2) † |")
+  # A task's baseline gets a column; a task without one shows "-".
+  with_base = cell("kda", [0.6])
+  with_base.update(task="stack", baseline_accuracy=dict(mean=0.9, min=0.9,
+                                                        max=0.9))
+  lines = sweep_report._overview_lines([with_base, cell("kda", [0.3]),
+                                        cell("gdn", [0.2])])
+  assert lines[-4] == "| task | T | chance % | baseline % | kda | gdn |"
+  assert lines[-3] == "|---|---|---|---|---|---|"
+  assert lines[-2].startswith("| mqar | 64 | 25.0 | - | 30.0")
+  assert lines[-1].startswith("| stack | 64 | 25.0 | 90.0 | 60.0")
 
 
 def test_sweep_config_errors():
@@ -281,6 +291,12 @@ def test_smoke_sweep_aggregates_its_seeds(smoke_sweep, tmp_path):
   assert kda["seeds"] == [0, 1]
   assert kda["best_accuracy"]["mean"] == pytest.approx(np.mean(best))
   assert kda["best_accuracy"]["min"] == pytest.approx(min(best))
+  # Stack's baseline on each seed's held-out set (the smoke cell's task and
+  # eval sizes), averaged over the seeds.
+  task = tasks.Stack(seq_len=32, num_stacks=4, num_values=4)
+  assert kda["baseline_accuracy"]["mean"] == pytest.approx(np.mean([
+      task.baseline_accuracy(task.sample(
+          tasks.rng(seed, tasks.EVAL_STREAM, 0), 4)) for seed in (0, 1)]))
   for name in ("results.json", "results.md", "accuracy_vs_length.png",
                "curves_T32.png"):
     assert os.path.isfile(os.path.join(workdir, name)), name

@@ -247,6 +247,36 @@ def test_stack_worked_example_and_validation():
       tasks.Stack(**kw)
 
 
+def test_stack_baseline_recalls_the_last_push_and_ignores_pops():
+  task = tasks.Stack(seq_len=13, num_stacks=2, num_values=3)
+  # PUSH A p, PUSH B q, PUSH A r, POP A (r: the last push, right), POP A (p;
+  # the last push is still r: wrong).
+  inputs = np.array([[1, 3, 5, 1, 4, 6, 1, 3, 7, 2, 3, 2, 3],
+                     # PUSH A p, PUSH A p, POP A, POP A, PUSH B q: both
+                     # right, the second by an older value equal to the last.
+                     [1, 3, 5, 1, 3, 5, 2, 3, 2, 3, 1, 4, 6]], np.int32)
+  targets = np.zeros_like(inputs)
+  mask = np.zeros(inputs.shape, np.float32)
+  targets[0, [10, 12]], targets[1, [7, 9]] = (7, 5), (5, 5)
+  mask[0, [10, 12]] = mask[1, [7, 9]] = 1
+  batch = tasks.Batch(inputs=inputs, targets=targets, mask=mask)
+  for row in range(2):  # the hand-written targets are the task's own
+    want, want_mask, _, _ = _decode_stack(inputs[row].tolist(), 2, 3)
+    np.testing.assert_array_equal(targets[row], want)
+    np.testing.assert_array_equal(mask[row], want_mask)
+  assert task.baseline_accuracy(batch) == pytest.approx(3 / 4)
+  # With far more stacks than operations a stack is almost never popped
+  # twice, so the last push is almost always the answer; with one stack
+  # and mostly pushes it is often an older value.
+  wide = tasks.Stack(seq_len=256, num_stacks=100_000, num_values=16)
+  b = wide.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0), 8)
+  assert wide.baseline_accuracy(b) > 0.97
+  deep = tasks.Stack(seq_len=256, num_stacks=1, num_values=16,
+                     push_probability=0.5)
+  b = deep.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0), 8)
+  assert deep.baseline_accuracy(b) < 0.7
+
+
 @pytest.mark.parametrize("seq_len", [1, 2, 37, 300])
 def test_parity_targets_match_a_counter_of_ones(seq_len):
   task = tasks.Parity(seq_len=seq_len)
