@@ -107,7 +107,10 @@ def recall_profile(config, run_dir: str, *,
 
   Returns:
     dict(step, accuracy (overall), lag_edges, correct, count): per lag bin
-    [edges[k], edges[k + 1]) the number of correct and of scored positions.
+    [edges[k], edges[k + 1]) the number of correct and of scored positions;
+    for a task with a memory-light rule (`baseline_correct`, Stack's last
+    push), `beyond_baseline`: dict(correct, count) over the scored positions
+    where that rule is wrong (on Stack, the POPs that need the stack).
   """
   task = _task(config)
   n = config.train.eval_batches if eval_batches is None else eval_batches
@@ -118,14 +121,23 @@ def recall_profile(config, run_dir: str, *,
     edges = _bin_edges(task.seq_len)
     correct = np.zeros(len(edges) - 1, np.int64)
     count = np.zeros(len(edges) - 1, np.int64)
+    rule = getattr(task, "baseline_correct", None)
+    beyond = [0, 0]  # correct, scored where the rule is wrong
     for batch, rows, cols, k in _held_out(config, task, n):
       logits = np.asarray(apply(params, batch.inputs))
       hit = logits.argmax(-1) == batch.targets
       np.add.at(count, k, 1)
       np.add.at(correct, k, hit[rows, cols])
-  return dict(step=int(step), accuracy=float(correct.sum() / count.sum()),
-              lag_edges=edges.tolist(), correct=correct.tolist(),
-              count=count.tolist())
+      if rule is not None:
+        need = ~rule(batch)[rows, cols]
+        beyond[0] += int(hit[rows, cols][need].sum())
+        beyond[1] += int(need.sum())
+  out = dict(step=int(step), accuracy=float(correct.sum() / count.sum()),
+             lag_edges=edges.tolist(), correct=correct.tolist(),
+             count=count.tolist())
+  if rule is not None:
+    out["beyond_baseline"] = dict(correct=beyond[0], count=beyond[1])
+  return out
 
 
 PROFILES_FILE = "recall_vs_lag.json"
@@ -176,9 +188,11 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
       summary = json.load(f)
     chance[(run.task, run.seq_len)] = summary["chance_accuracy"]
     prof = known.get(run.name)
-    if prof is not None and prof["step"] == summary["steps"] and (
-        prof["count"] == held_out_counts(run.config,
-                                         eval_batches=eval_batches)):
+    has_rule = hasattr(tasks_lib.TASKS[run.task], "baseline_correct")
+    if (prof is not None and prof["step"] == summary["steps"]
+        and prof["count"] == held_out_counts(run.config,
+                                             eval_batches=eval_batches)
+        and ("beyond_baseline" in prof or not has_rule)):
       # Of the final step and the same held-out set: kept, and who profiled
       # it stays recorded.
       prof = {**known_metadata, **prof}
@@ -202,11 +216,17 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
       warnings.simplefilter("ignore", RuntimeWarning)
       mean, low, high = (np.nanmean(acc, 0), np.nanmin(acc, 0),
                          np.nanmax(acc, 0))
+    beyond = [b["correct"] / b["count"] for p in profs
+              if (b := p.get("beyond_baseline")) and b["count"]]
     records.append(dict(
         task=task, seq_len=seq_len, mixer=mixer, seeds=len(profs),
         lag_edges=profs[0]["lag_edges"],
         count=np.sum([p["count"] for p in profs], 0).tolist(),
-        mean=_nan_list(mean), min=_nan_list(low), max=_nan_list(high)))
+        mean=_nan_list(mean), min=_nan_list(low), max=_nan_list(high),
+        beyond_baseline=(dict(mean=float(np.mean(beyond)),
+                              min=float(np.min(beyond)),
+                              max=float(np.max(beyond)))
+                         if beyond else None)))
   out = dict(metadata=metadata or {}, runs=per_run, cells=records,
              unprofiled=unprofiled)
   metrics_lib.write_atomic(path, json.dumps(out, indent=1))

@@ -97,20 +97,18 @@ def _bits_per_byte(summary) -> dict[str, float] | None:
 def _baseline(task_json: str, seed: int, batches: int, batch_size: int
               ) -> float | None:
   fields = json.loads(task_json)
-  if not hasattr(tasks_lib.TASKS.get(fields["name"]), "baseline_accuracy"):
+  if not hasattr(tasks_lib.TASKS.get(fields["name"]), "baseline_correct"):
     return None  # before building it: a corpus task reads its files
   task = tasks_lib.make_task(**fields)
   config = ml_collections.ConfigDict(dict(
       seed=seed, train=dict(eval_batches=batches,
                             eval_batch_size=batch_size)))
-  held = [tasks_lib.Batch(**b) for b in train.eval_set(config, task)]
-  scored = [b.mask.sum() for b in held]
-  return float(np.average([task.baseline_accuracy(b) for b in held],
-                          weights=scored))
+  return tasks_lib.baseline_accuracy(
+      task, [tasks_lib.Batch(**b) for b in train.eval_set(config, task)])
 
 
 def baseline_accuracy(config) -> float | None:
-  """A task's memory-light baseline (`task.baseline_accuracy`, e.g. Stack's
+  """A task's memory-light baseline (`task.baseline_correct`, e.g. Stack's
   last push per stack) on the run's own held-out set, or None."""
   tr = config.train
   return _baseline(json.dumps(config.task.to_dict(), sort_keys=True),

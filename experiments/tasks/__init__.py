@@ -9,6 +9,7 @@ Python standard library's source).
 """
 
 from experiments.tasks.base import Batch
+from experiments.tasks.base import baseline_accuracy
 from experiments.tasks.base import EVAL_STREAM
 from experiments.tasks.base import held_out
 from experiments.tasks.base import rng
@@ -35,6 +36,6 @@ def make_task(name: str, **kwargs) -> Task:
     raise ValueError(f"task {name!r}: {e}") from None
 
 
-__all__ = ["Batch", "DelayedCopy", "EVAL_STREAM", "MQAR", "Palindrome",
+__all__ = ["Batch", "DelayedCopy", "baseline_accuracy", "EVAL_STREAM", "MQAR", "Palindrome",
            "Parity", "Stack", "TASKS", "Task", "Text", "TRAIN_STREAM",
            "held_out", "make_task", "rng"]

@@ -60,6 +60,17 @@ class Task(Protocol):
     """Draws `batch_size` independent examples."""
 
 
+def baseline_accuracy(task, batches) -> float | None:
+  """Accuracy of the task's memory-light rule (`task.baseline_correct`, a
+  [B, T] bool of where it is right) over `batches`' scored positions, or
+  None for a task without one."""
+  if not callable(getattr(task, "baseline_correct", None)):
+    return None
+  right = sum(int(task.baseline_correct(b).sum()) for b in batches)
+  return right / max(sum(int((np.asarray(b.mask) > 0).sum())
+                         for b in batches), 1)
+
+
 def held_out(task):
   """The task held-out batches come from: `task.held_out()` where a task
   has its own held-out data (text: other files), else the task itself (a

@@ -122,18 +122,20 @@ class Stack:
     out[~mask] = -1
     return out
 
-  def baseline_accuracy(self, batch: base.Batch) -> float:
-    """Accuracy of recalling the last value pushed onto the popped stack.
+  def baseline_correct(self, batch: base.Batch) -> np.ndarray:
+    """[B, T] bool: where recalling the last push onto the popped stack is
+    right (False off the scored positions).
 
     A model that keeps, per stack, only its most recent PUSH and ignores the
     POPs (associative recall by stack id) is right unless that value was
-    popped already, and then by chance when an older value equals it. A
-    Stack score shows the stack discipline only above this bar, which at the
-    suite's 64 stacks and push probability 0.5 is most of the way to 100%.
+    popped already, and then only when an older value equals it. A Stack
+    score shows the stack discipline only above this bar, which at the
+    suite's 64 stacks and push probability 0.5 is most of the way to 100%;
+    the POPs where it is wrong are the ones that need the stack.
     """
     inputs, targets = np.asarray(batch.inputs), np.asarray(batch.targets)
     mask = np.asarray(batch.mask) > 0
-    right = 0
+    out = np.zeros(inputs.shape, bool)
     for i in range(inputs.shape[0]):
       last: dict[int, int] = {}  # stack id -> value of its latest PUSH
       p, t = 0, inputs.shape[1]
@@ -143,11 +145,11 @@ class Stack:
           p += 3
         elif inputs[i, p] == POP and p + 1 < t:
           if mask[i, p + 1]:
-            right += last[int(inputs[i, p + 1])] == targets[i, p + 1]
+            out[i, p + 1] = last[int(inputs[i, p + 1])] == targets[i, p + 1]
           p += 2
         else:
           p += 1
-    return right / max(int(mask.sum()), 1)
+    return out
 
   def sample(self, rng: np.random.Generator, batch_size: int) -> base.Batch:
     base.check_positive_int("batch_size", batch_size)

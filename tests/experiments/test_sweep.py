@@ -295,8 +295,8 @@ def test_smoke_sweep_aggregates_its_seeds(smoke_sweep, tmp_path):
   # eval sizes), averaged over the seeds.
   task = tasks.Stack(seq_len=32, num_stacks=4, num_values=4)
   assert kda["baseline_accuracy"]["mean"] == pytest.approx(np.mean([
-      task.baseline_accuracy(task.sample(
-          tasks.rng(seed, tasks.EVAL_STREAM, 0), 4)) for seed in (0, 1)]))
+      tasks.baseline_accuracy(task, [task.sample(
+          tasks.rng(seed, tasks.EVAL_STREAM, 0), 4)]) for seed in (0, 1)]))
   for name in ("results.json", "results.md", "accuracy_vs_length.png",
                "curves_T32.png"):
     assert os.path.isfile(os.path.join(workdir, name)), name
@@ -343,7 +343,21 @@ def test_recall_bins_add_up_to_each_runs_accuracy(smoke_sweep, tmp_path):
         for i in range(tr.eval_batches))
     per_seed.append([c / n if n else np.nan
                      for c, n in zip(p["correct"], p["count"])])
+    # Stack's POPs that need the stack: those the last-push rule gets wrong.
+    beyond = p["beyond_baseline"]
+    assert beyond["count"] == sum(
+        int((~task.baseline_correct(b) & (b.mask > 0)).sum())
+        for b in (task.sample(tasks.rng(r.seed, tasks.EVAL_STREAM, i),
+                              tr.eval_batch_size)
+                  for i in range(tr.eval_batches)))
+    assert 0 <= beyond["correct"] <= beyond["count"]
   (cell,) = prof["cells"]
+  ratios = [b["correct"] / b["count"] for r in trained
+            if (b := prof["runs"][r.name]["beyond_baseline"])["count"]]
+  if ratios:
+    assert cell["beyond_baseline"]["mean"] == pytest.approx(np.mean(ratios))
+  else:
+    assert cell["beyond_baseline"] is None
   assert cell["seeds"] == 2 and cell["mixer"] == "kda"
   for k, mean in enumerate(cell["mean"]):
     column = [a[k] for a in per_seed if not np.isnan(a[k])]

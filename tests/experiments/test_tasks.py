@@ -264,17 +264,20 @@ def test_stack_baseline_recalls_the_last_push_and_ignores_pops():
     want, want_mask, _, _ = _decode_stack(inputs[row].tolist(), 2, 3)
     np.testing.assert_array_equal(targets[row], want)
     np.testing.assert_array_equal(mask[row], want_mask)
-  assert task.baseline_accuracy(batch) == pytest.approx(3 / 4)
+  np.testing.assert_array_equal(
+      np.nonzero(task.baseline_correct(batch)), ([0, 1, 1], [10, 7, 9]))
+  assert tasks.baseline_accuracy(task, [batch]) == pytest.approx(3 / 4)
+  assert tasks.baseline_accuracy(tasks.Palindrome(), [batch]) is None
   # With far more stacks than operations a stack is almost never popped
   # twice, so the last push is almost always the answer; with one stack
   # and mostly pushes it is often an older value.
   wide = tasks.Stack(seq_len=256, num_stacks=100_000, num_values=16)
   b = wide.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0), 8)
-  assert wide.baseline_accuracy(b) > 0.97
+  assert tasks.baseline_accuracy(wide, [b]) > 0.97
   deep = tasks.Stack(seq_len=256, num_stacks=1, num_values=16,
                      push_probability=0.5)
   b = deep.sample(tasks.rng(0, tasks.TRAIN_STREAM, 0), 8)
-  assert deep.baseline_accuracy(b) < 0.7
+  assert tasks.baseline_accuracy(deep, [b]) < 0.7
 
 
 @pytest.mark.parametrize("seq_len", [1, 2, 37, 300])
