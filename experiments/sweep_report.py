@@ -21,14 +21,12 @@ Runs are read from their directories (experiments/sweep_lib.py lays them
 out); a run's status and training time come from its metrics.
 """
 
-import functools
 import glob
 import json
 import math
 import os
 from typing import Any, Sequence
 
-import ml_collections
 import numpy as np
 
 from experiments import metrics as metrics_lib
@@ -93,26 +91,14 @@ def _bits_per_byte(summary) -> dict[str, float] | None:
   return dict(sorted(bits.items(), key=lambda kv: int(kv[0])))
 
 
-@functools.cache
-def _baseline(task_json: str, seed: int, batches: int, batch_size: int
-              ) -> float | None:
-  fields = json.loads(task_json)
-  if not hasattr(tasks_lib.TASKS.get(fields["name"]), "baseline_correct"):
-    return None  # before building it: a corpus task reads its files
-  task = tasks_lib.make_task(**fields)
-  config = ml_collections.ConfigDict(dict(
-      seed=seed, train=dict(eval_batches=batches,
-                            eval_batch_size=batch_size)))
-  return tasks_lib.baseline_accuracy(
-      task, [tasks_lib.Batch(**b) for b in train.eval_set(config, task)])
-
-
 def baseline_accuracy(config) -> float | None:
   """A task's memory-light baseline (`task.baseline_correct`, e.g. Stack's
   last push per stack) on the run's own held-out set, or None."""
-  tr = config.train
-  return _baseline(json.dumps(config.task.to_dict(), sort_keys=True),
-                   config.seed, tr.eval_batches, tr.eval_batch_size)
+  if not hasattr(tasks_lib.TASKS.get(config.task.name), "baseline_correct"):
+    return None  # before building the task: a corpus task reads its files
+  task = tasks_lib.make_task(**config.task.to_dict())
+  return tasks_lib.baseline_accuracy(
+      task, [tasks_lib.Batch(**b) for b in train.eval_set(config, task)])
 
 
 def workdir_compute(workdir: str) -> dict[str, float]:

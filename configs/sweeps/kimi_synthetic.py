@@ -17,8 +17,9 @@ Stack, whose best lay at the grid's edge; into the same workdir: the
 runs at a mixer's chosen rate are the protocol's seed-0 runs);
 `:rates256_stack` and `:rates256_palindrome`, whether an order the protocol
 found at T=256 is the rate (RATE_CHECKS_256; seed 0, into the same
-workdir); `:smoke` for tests. Results: results/kimi_synthetic/; the protocol's reasons and the
-calibration: docs/experiments.md#the-kimi-linear-synthetic-suite.
+workdir); `:smoke` for tests. Results: results/kimi_synthetic/; the
+protocol's reasons and the calibration:
+docs/experiments.md#the-kimi-linear-synthetic-suite.
 """
 
 import ml_collections
