@@ -104,21 +104,14 @@ class Stack:
   def answer_positions(self, batch: base.Batch) -> np.ndarray:
     """A POP's answer is the value of the PUSH it pops, replayed per row."""
     inputs, mask = np.asarray(batch.inputs), np.asarray(batch.mask) > 0
-    b, t = inputs.shape
-    out = np.full((b, t), -1, np.int64)
-    for i in range(b):
+    out = np.full(inputs.shape, -1, np.int64)
+    for i, row in enumerate(inputs):
       stacks: dict[int, list[int]] = {}
-      p = 0
-      while p < t:
-        op = inputs[i, p]
-        if op == PUSH and p + 2 < t:
-          stacks.setdefault(int(inputs[i, p + 1]), []).append(p + 2)
-          p += 3
-        elif op == POP and p + 1 < t:
-          out[i, p + 1] = stacks[int(inputs[i, p + 1])].pop()
-          p += 2
+      for op, stack, pos in _operations(row):
+        if op == PUSH:
+          stacks.setdefault(stack, []).append(pos)
         else:
-          p += 1
+          out[i, pos] = stacks[stack].pop()
     out[~mask] = -1
     return out
 
@@ -136,19 +129,13 @@ class Stack:
     inputs, targets = np.asarray(batch.inputs), np.asarray(batch.targets)
     mask = np.asarray(batch.mask) > 0
     out = np.zeros(inputs.shape, bool)
-    for i in range(inputs.shape[0]):
+    for i, row in enumerate(inputs):
       last: dict[int, int] = {}  # stack id -> value of its latest PUSH
-      p, t = 0, inputs.shape[1]
-      while p < t:
-        if inputs[i, p] == PUSH and p + 2 < t:
-          last[int(inputs[i, p + 1])] = int(inputs[i, p + 2])
-          p += 3
-        elif inputs[i, p] == POP and p + 1 < t:
-          if mask[i, p + 1]:
-            out[i, p + 1] = last[int(inputs[i, p + 1])] == targets[i, p + 1]
-          p += 2
-        else:
-          p += 1
+      for op, stack, pos in _operations(row):
+        if op == PUSH:
+          last[stack] = int(row[pos])
+        elif mask[i, pos]:
+          out[i, pos] = last[stack] == targets[i, pos]
     return out
 
   def sample(self, rng: np.random.Generator, batch_size: int) -> base.Batch:
@@ -160,3 +147,18 @@ class Stack:
     for row in range(batch_size):
       self._sample_row(rng, inputs[row], targets[row], mask[row])
     return base.Batch(inputs=inputs, targets=targets, mask=mask)
+
+
+def _operations(row: np.ndarray):
+  """Yields (PUSH, stack id, value position) / (POP, stack id, id position)
+  for each operation of a row, in order, as the model reads them."""
+  p, t = 0, len(row)
+  while p < t:
+    if row[p] == PUSH and p + 2 < t:
+      yield PUSH, int(row[p + 1]), p + 2
+      p += 3
+    elif row[p] == POP and p + 1 < t:
+      yield POP, int(row[p + 1]), p + 1
+      p += 2
+    else:
+      p += 1
