@@ -36,6 +36,6 @@ def make_task(name: str, **kwargs) -> Task:
     raise ValueError(f"task {name!r}: {e}") from None
 
 
-__all__ = ["Batch", "DelayedCopy", "baseline_accuracy", "EVAL_STREAM", "MQAR", "Palindrome",
+__all__ = ["Batch", "DelayedCopy", "EVAL_STREAM", "MQAR", "Palindrome",
            "Parity", "Stack", "TASKS", "Task", "Text", "TRAIN_STREAM",
-           "held_out", "make_task", "rng"]
+           "baseline_accuracy", "held_out", "make_task", "rng"]
