@@ -166,6 +166,7 @@ def aggregate(sweep, workdir: str, *,
         statuses={st: n for st in metrics_lib.STATUSES + ("diverged",)
                   if (n := sum(s["status"] == st for _, s in items))},
         num_steps=max(s["num_steps"] for _, s in items),
+        min_num_steps=min(s["num_steps"] for _, s in items),
         length_curriculum=[list(stage) for stage in items[0][0].config.train
                            .get("length_curriculum", ())],
         train_seconds=float(sum(s["train_seconds"] for _, s in items)),
@@ -323,7 +324,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"| {r['task']} | {r['seq_len']} | {r['mixer']} |"
         f" {r['learning_rate']:g} | {len(r['seeds'])} | {acc_s} |"
         f" {r['num_reached_99']}/{len(r['seeds'])} | {steps_s} |"
-        f" {r['num_steps']}{_stages(r.get('length_curriculum'))} |"
+        f" {_caps(r)}{_stages(r.get('length_curriculum'))} |"
         f" {_statuses(r.get('statuses'))} |"
         f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
   lines += _overview_lines(results["cells"])
@@ -432,6 +433,14 @@ def _comparison_lines(comparisons) -> list[str]:
         f" {len(c['seeds'])} | {100 * d['mean']:+.1f} [{100 * d['min']:+.1f},"
         f" {100 * d['max']:+.1f}] | {c['verdict']} |")
   return lines
+
+
+def _caps(cell) -> str:
+  """A cell's step cap: '1000', or '1000-3000' where its seeds' differ (runs
+  extended while still rising)."""
+  low = cell.get("min_num_steps", cell["num_steps"])
+  return (str(cell["num_steps"]) if low == cell["num_steps"]
+          else f"{low}-{cell['num_steps']}")
 
 
 def _run_lines(runs) -> list[str]:

@@ -493,6 +493,18 @@ def test_aggregate_picks_the_best_learning_rate_and_counts_divergence(
   assert [r["length_curriculum"] for r in results["cells"]] == [[], [[2, 16]]]
   with open(os.path.join(workdir, "results.md")) as f:
     assert "| 4 (2 at T=16 first) |" in f.read()
+  # Seeds extended to different caps show the range.
+  name = "palindrome_T32/kda_seed1_lr0.001"
+  run_dir = os.path.join(workdir, name)
+  _fake_run(workdir, name, 0.5)
+  (run,) = [r for r in sweep_lib.expand(sweep) if r.name == name]
+  config = run.config.to_dict()
+  config["train"]["num_steps"] = 9
+  with open(os.path.join(run_dir, "config.json"), "w") as f:
+    json.dump(config, f)
+  sweep_report.aggregate(sweep, workdir)
+  with open(os.path.join(workdir, "results.md")) as f:
+    assert "| 4-9 (2 at T=16 first) |" in f.read()
 
 
 def test_a_cell_can_set_its_own_learning_rates():
