@@ -438,9 +438,8 @@ def _comparison_lines(comparisons) -> list[str]:
 def _caps(cell) -> str:
   """A cell's step cap: '1000', or '1000-3000' where its seeds' differ (runs
   extended while still rising)."""
-  low = cell.get("min_num_steps", cell["num_steps"])
-  return (str(cell["num_steps"]) if low == cell["num_steps"]
-          else f"{low}-{cell['num_steps']}")
+  low, high = cell["min_num_steps"], cell["num_steps"]
+  return str(high) if low == high else f"{low}-{high}"
 
 
 def _run_lines(runs) -> list[str]:
