@@ -507,6 +507,30 @@ def test_aggregate_picks_the_best_learning_rate_and_counts_divergence(
     assert "| 4-9 (2 at T=16 first) |" in f.read()
 
 
+def test_the_committed_kimi_results_are_their_runs_aggregate(tmp_path):
+  """results.md and the README's table are what the committed runs give."""
+  src = os.path.join(REPO, "results", "kimi_synthetic")
+  workdir = str(tmp_path / "kimi_synthetic")
+  shutil.copytree(src, workdir, ignore=shutil.ignore_patterns(
+      "checkpoints", "*.png", "results.*"))
+  results = sweep_report.aggregate(kimi_synthetic.get_config(), workdir)
+  def body(path):  # all but the aggregating commit, which the copy lacks
+    with open(path) as f:
+      text = f.read()
+    return text[text.index("Runs trained at:"):]
+  fresh = body(os.path.join(workdir, "results.md"))
+  assert body(os.path.join(src, "results.md")) == fresh
+  overview = fresh[fresh.index("| task | T | chance %"):]
+  overview = overview[:overview.index("\n\n")]
+  with open(os.path.join(REPO, "README.md")) as f:
+    assert overview in f.read()
+  # The protocol's rule: a run stops solved or plateaued, or rising only at
+  # a cap of 3000 steps or more.
+  assert results["num_finished"] == results["num_runs"]
+  for run in results["runs"]:
+    assert run["status"] != "rising at cap" or run["num_steps"] >= 3000, run
+
+
 def test_a_cell_can_set_its_own_learning_rates():
   sweep = kimi_synthetic.get_config("smoke").copy_and_resolve_references()
   sweep.unlock()
