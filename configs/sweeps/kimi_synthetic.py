@@ -10,6 +10,9 @@ for KDA, Gated DeltaNet (GDN) and softmax attention; here 3 seeds a cell and
   # 500 steps at a time (a fresh 300-step status window past the old cap, at
   # most 499 steps past a plateau) until solved, plateaued or at MAX_STEPS:
   python -m experiments.sweep ... --extend_to=3000 --extend_step=500
+  # and where the budget allows, past MAX_STEPS (the three GDN Palindrome
+  # runs still rising at 3000 went on to their plateaus):
+  python -m experiments.sweep ... --extend_to=5000 --extend_step=500
 
 Variants: `:calibration`, the learning-rate calibration (seed 0, the T=1024
 cell of each task, rates 5e-4, 1e-3 and 3e-3, and 1e-2 for attention on
