@@ -525,10 +525,11 @@ def test_the_committed_kimi_results_are_their_runs_aggregate(tmp_path):
   with open(os.path.join(REPO, "README.md")) as f:
     assert overview in f.read()
   # The protocol's rule: a run stops solved or plateaued, or rising only at
-  # a cap of 3000 steps or more.
+  # a cap of MAX_STEPS or more.
   assert results["num_finished"] == results["num_runs"]
   for run in results["runs"]:
-    assert run["status"] != "rising at cap" or run["num_steps"] >= 3000, run
+    assert (run["status"] != "rising at cap"
+            or run["num_steps"] >= kimi_synthetic.MAX_STEPS), run
 
 
 def test_a_cell_can_set_its_own_learning_rates():
