@@ -51,3 +51,28 @@ class TimingTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class CommitsTest(absltest.TestCase):
+
+  def test_an_extracted_commit_imports_beside_the_working_tree(self):
+    import sys  # pylint: disable=g-import-not-at-top
+    import tempfile  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from benchmarks import kda_commits  # pylint: disable=g-import-not-at-top
+    from linear_attention import ops  # pylint: disable=g-import-not-at-top
+
+    root = tempfile.mkdtemp()
+    sys.path.insert(0, root)
+    try:
+      sha, old = kda_commits.extract("HEAD", root)
+    finally:
+      sys.path.remove(root)
+    self.assertIsNot(old, ops)
+    self.assertEqual(old.__name__, f"la_{sha}.ops")
+    args = kda_speed.make_inputs(1, 40, 2, 8)
+    got = kda_commits.forward(old)(*args)
+    want = kda_commits.forward(ops)(*args)
+    # The working tree may differ from HEAD, but not past float32 rounding
+    # of this 40-token forward (each output a sum of <= 40 * 8 products).
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
