@@ -88,6 +88,37 @@ def np_indexer(params, x, q_lowrank, *, num_heads, head_dim, compress_rate,
   return idx, scores, kc, mask
 
 
+def assert_topk_within_ties(indices, scores, ref, name):
+  """`indices` [B, S, k] (best first, -1 after the visible blocks), the top-k
+  of `scores`, pick the top-k of the reference scores `ref` up to ties.
+
+  lax.top_k is exact on `scores`; with e = max |scores - ref| over a row's
+  visible blocks, the j-th largest of the two rows differ by <= e (order
+  statistics are 1-Lipschitz in the max norm), so ref at the j-th pick is
+  within 2 e of ref's j-th largest. A pick that differs from ref's own order
+  by more than that is a real error.
+  """
+  indices = np.asarray(indices)
+  scores, ref = (np.asarray(x, np.float64) for x in (scores, ref))
+  visible = np.isfinite(ref)
+  # exact: -inf is written with jnp.where from integer positions/segments.
+  np.testing.assert_array_equal(np.isfinite(scores), visible, err_msg=name)
+  k = indices.shape[-1]
+  for b, t in np.ndindex(indices.shape[:2]):
+    vis = np.flatnonzero(visible[b, t])
+    n = min(k, len(vis))
+    picks = indices[b, t]
+    assert np.all(picks[n:] == -1) and len(set(picks[:n])) == n, (
+        name, b, t, picks)
+    assert set(picks[:n]) <= set(vis), (name, b, t, picks, vis)
+    if not n:
+      continue
+    e = np.abs(scores[b, t, vis] - ref[b, t, vis]).max()
+    best = np.sort(ref[b, t, vis])[::-1][:n]
+    off = np.abs(ref[b, t, picks[:n]] - best)
+    assert np.all(off <= 2 * e), (name, b, t, picks, off, e)
+
+
 def make(seed=0, b=2, s=13, m=12, q_rank=10, packed=False):
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(b, s, m)).astype(np.float32)
@@ -130,9 +161,11 @@ def test_matches_numpy_oracle(packed):
   idx, scores, kc, mask = np_indexer(params, x, ql, **CFG, **np_kw)
   testing.assert_close(out.k_compressed, kc, rtol=F32_RTOL, name="k")
   got = np.asarray(out.scores)
+  # exact: -inf is written with jnp.where from integer positions/segments.
   np.testing.assert_array_equal(np.isneginf(got), ~mask)
   testing.assert_close(got[mask], scores[mask], rtol=F32_RTOL, name="scores")
-  np.testing.assert_array_equal(np.asarray(out.indices), idx)
+  # float32 indices against the float64 oracle's scores: equal up to ties.
+  assert_topk_within_ties(out.indices, got, scores, "library vs oracle")
   assert (np.asarray(out.indices)[:, 0] == -1).all()  # token 0 sees nothing
 
 
@@ -146,12 +179,20 @@ def test_topk_equal_across_backends():
     outs[backend] = forward(cfg, score_backend=backend, **opts).apply(
         params, x, ql, **kw)
   ref = np.asarray(outs["reference"].indices)
-  visible = np.isfinite(np.asarray(outs["reference"].scores)).sum(-1)
+  ref_scores = np.asarray(outs["reference"].scores)
+  visible = np.isfinite(ref_scores).sum(-1)
+  # exact: integer counts of the -inf (jnp.where) entries.
   np.testing.assert_array_equal((ref == -1).sum(-1),
                                 np.maximum(0, 8 - visible))
-  for backend in ("xla_chunked", "pallas"):
-    np.testing.assert_array_equal(np.asarray(outs[backend].indices), ref,
-                                  err_msg=backend)
+  # Three compiled programs: the same blocks up to ties within their
+  # scores' float32 differences (assert_topk_within_ties), not bit for bit.
+  for backend in ("reference", "xla_chunked", "pallas"):
+    scores = np.asarray(outs[backend].scores)
+    testing.assert_close(scores[np.isfinite(ref_scores)],
+                         ref_scores[np.isfinite(ref_scores)], rtol=F32_RTOL,
+                         name=f"{backend} scores")
+    assert_topk_within_ties(outs[backend].indices, scores, ref_scores,
+                            backend)
 
 
 def test_causal_future_tokens_do_not_change_scores():
@@ -163,6 +204,8 @@ def test_causal_future_tokens_do_not_change_scores():
   ql2 = ql.at[:, t0:].add(3.0)
   a = np.asarray(model.apply(params, x, ql).scores)[:, :t0]
   b = np.asarray(model.apply(params, x2, ql2).scores)[:, :t0]
+  # exact: the same compiled apply; the scores before t0 read only inputs
+  # before t0 (later blocks are -inf by jnp.where), which are equal.
   np.testing.assert_array_equal(a, b)
   assert np.isfinite(a).any()
   # ...and they do change the later tokens' scores (the check can fail).
