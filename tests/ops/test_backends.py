@@ -63,9 +63,18 @@ def test_the_op_runs_auto_as_the_resolved_backend():
   g = -jax.nn.softplus(jax.random.normal(ks[3], (1, 20, 2, 8)))
   beta = jnp.full((1, 20, 2), 0.5)
   resolved = backends.resolve("auto").value
-  o_auto, _ = ops.kimi_delta_attention(q, k, v, g, beta, backend="auto")
-  o, _ = ops.kimi_delta_attention(q, k, v, g, beta, backend=resolved)
+  call = lambda backend: ops.kimi_delta_attention(q, k, v, g, beta,
+                                                  backend=backend)
+  # "auto" is resolved before tracing: both calls are one program.
+  assert _jaxpr(call, "auto") == _jaxpr(call, resolved)
+  o_auto, _ = call("auto")
+  o, _ = call(resolved)
+  # exact: the same program (the jaxprs above) on the same inputs.
   np.testing.assert_array_equal(o_auto, o)
+
+
+def _jaxpr(call, backend):
+  return str(jax.make_jaxpr(lambda: call(backend))())
 
 
 def test_the_op_runs_a_decode_step_as_the_token_recurrence():
@@ -81,7 +90,10 @@ def test_the_op_runs_a_decode_step_as_the_token_recurrence():
       q, k, v, g, beta, initial_state=state, output_final_state=True,
       backend=backend)
   for backend in ("mosaic", "chunked"):
+    # The op resolves the step to "reference" before tracing: one program.
+    assert _jaxpr(run, backend) == _jaxpr(run, "reference"), backend
     for got, want in zip(run(backend), run("reference")):
+      # exact: the same program (the jaxprs above) on the same inputs.
       np.testing.assert_array_equal(got, want)
 
 
