@@ -38,6 +38,10 @@ def kda_config() -> ml_collections.ConfigDict:
       allow_neg_eigval=False,
       # Tokens per chunk of the chunked backend (16 or 64); None: platform's.
       chunk_size=config_dict.placeholder(int),
+      # Matmul precision of the op and the layer's projections: "auto"
+      # (float32-exact for float32 activations, fast for bfloat16),
+      # "highest", "high" or "default" (jax.lax.Precision names).
+      precision="auto",
   ))
   config.lock()
   return config

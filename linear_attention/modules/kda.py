@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from linear_attention.modules import norms
 from linear_attention.modules import short_conv
 from linear_attention.ops.kda import api as kda_api
+from linear_attention.ops.kda import precision as precision_lib
 
 DECAYS = ("channel", "head")
 WEIGHT_STDDEV = 0.02
@@ -72,6 +73,7 @@ def validate_kda_layer_args(
     num_v_heads: int | None = None,
     allow_neg_eigval: bool = False,
     chunk_size: int | None = None,
+    precision: str = "auto",
 ) -> None:
   """Raises ValueError, naming the argument, unless the layer can be built."""
   if context_axis is not None and not isinstance(context_axis, str):
@@ -112,6 +114,9 @@ def validate_kda_layer_args(
   if chunk_size is not None and chunk_size not in kda_api.CHUNK_SIZES:
     raise ValueError(f"chunk_size must be None or one of"
                      f" {kda_api.CHUNK_SIZES}; got {chunk_size!r}.")
+  if not isinstance(precision, str) or precision not in precision_lib.NAMES:
+    raise ValueError(f"precision must be one of {precision_lib.NAMES}; got"
+                     f" {precision!r}.")
 
 
 class KDACache(NamedTuple):
@@ -199,6 +204,10 @@ class KimiDeltaAttention(hk.Module):
   num_v_heads: int | None = None  # HV value heads (multiple of H); None: H.
   allow_neg_eigval: bool = False  # beta = 2 sigmoid(.): eigenvalues (-1, 1].
   chunk_size: int | None = None  # "chunked" backend's chunk; None: platform's.
+  # Matmul precision of the op and the projections ("auto": float32-exact
+  # for float32 activations, one bfloat16 pass for bfloat16; see
+  # linear_attention/ops/kda/precision.py).
+  precision: str = "auto"
   name: str | None = None  # Haiku module name.
 
   def __post_init__(self):
@@ -208,7 +217,8 @@ class KimiDeltaAttention(hk.Module):
         lower_bound=self.lower_bound, backend=self.backend, decay=self.decay,
         use_output_gate=self.use_output_gate,
         context_axis=self.context_axis, num_v_heads=self.num_v_heads,
-        allow_neg_eigval=self.allow_neg_eigval, chunk_size=self.chunk_size)
+        allow_neg_eigval=self.allow_neg_eigval, chunk_size=self.chunk_size,
+        precision=self.precision)
     super().__post_init__()  # hk.Module.__init__(name=self.name)
 
   @property
@@ -230,8 +240,11 @@ class KimiDeltaAttention(hk.Module):
 
   @hk.transparent  # no extra name scope: params are `<layer>/q_proj/w`, ...
   def _linear(self, size, name):
-    return hk.Linear(size, with_bias=False, name=name,
-                     w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))
+    """x -> x W, at the layer's precision for x's dtype."""
+    linear = hk.Linear(size, with_bias=False, name=name,
+                       w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))
+    return lambda x: linear(
+        x, precision=precision_lib.for_dtype(self.precision, x.dtype))
 
   @hk.transparent
   def _conv_silu(self, x, name, segment_ids, tail):
@@ -309,7 +322,7 @@ class KimiDeltaAttention(hk.Module):
         max_num_segments=max_num_segments,
         allow_neg_eigval=self.allow_neg_eigval, backend=self.backend,
         context_axis=self.context_axis, chunk_size=self.chunk_size,
-        **chunk_states)
+        precision=self.precision, **chunk_states)
     o, state = outs[:2]
     chex.assert_shape(o, (b, t, self.value_heads, self.value_dim))
     y = self._output(x, o)

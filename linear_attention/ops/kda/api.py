@@ -39,6 +39,7 @@ from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda import common
 from linear_attention.ops.kda import context_parallel
 from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import precision as precision_lib
 from linear_attention.ops.kda import reference
 
 
@@ -173,6 +174,7 @@ def kimi_delta_attention(
     context_axis: str | None = None,
     chunk_size: int | None = None,
     group_width: int | None = None,
+    precision: "str | precision_lib.Precisions" = "auto",
 ) -> tuple[jax.Array, ...]:
   """Kimi Delta Attention over [B, T, H, *] inputs.
 
@@ -223,6 +225,15 @@ def kimi_delta_attention(
     group_width: chunk-heads x K per step of "chunked"'s grouped scan (an
       int >= 1; None: `chunked.grouped.GROUP_WIDTH`); other backends ignore
       it. Both change the schedule, not the result beyond rounding.
+    precision: the precision of the op's matmuls, pinned whatever the
+      process default (`jax.default_matmul_precision`) is: "auto" (float32
+      accurate for float32/float64 inputs, one bfloat16 pass for
+      bfloat16/float16 inputs), "highest", "high", "default" (that
+      `jax.lax.Precision` on every matmul), or a
+      `linear_attention.ops.kda.precision.Precisions` (per group of
+      matmuls). Only TPUs and GPUs (TF32) read it: a CPU computes float32
+      products exactly. "mosaic" takes only "auto" (tokamax's kernel pins
+      its own). See `linear_attention/ops/kda/precision.py`.
 
   Returns:
     (o [B, T, HV, V] in q.dtype, final_state or None); with
@@ -237,6 +248,7 @@ def kimi_delta_attention(
     NotImplementedError: the backend cannot take this input.
   """
   Backend.parse(backend)  # ValueError: not a backend name
+  precision_lib.validate(precision)  # ValueError: not a precision
   if context_axis is not None:
     axes.axis_size(context_axis)  # ValueError: not a bound axis
   _validate(q, k, v, g, beta, scale=scale, a_log=a_log, dt_bias=dt_bias,
@@ -253,7 +265,7 @@ def kimi_delta_attention(
   decode = initial_state is not None and context_axis is None and (
       segment_ids is None or t < backends.MOSAIC_CHUNK)
   backend = backends.resolve(backend, decode_len=t if decode else None)
-  tuning = _tuning(backend, chunk_size, group_width)
+  tuning = _tuning(backend, chunk_size, group_width, precision, q.dtype)
   if scale is None:
     scale = q.shape[-1] ** -0.5
   _check_chunk_states(output_chunk_states, chunk_states_every, backend,
@@ -307,8 +319,9 @@ def _check_chunk_states(output_chunk_states, every, backend, *, t_local,
         " intermediate states).")
 
 
-def _tuning(backend: Backend, chunk_size, group_width) -> dict:
-  """The chunked backend's schedule arguments, checked; {} for the others."""
+def _tuning(backend: Backend, chunk_size, group_width, precision,
+            dtype) -> dict:
+  """The backend's schedule and precision arguments, checked."""
   if chunk_size is not None and chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be None or one of {CHUNK_SIZES};"
                      f" got {chunk_size!r}.")
@@ -321,9 +334,17 @@ def _tuning(backend: Backend, chunk_size, group_width) -> dict:
     raise NotImplementedError(
         f"backend='mosaic' runs tokamax's kernel on {mosaic.CHUNK}-token"
         f" chunks; got chunk_size={chunk_size}.")
-  if backend is not Backend.CHUNKED:
+  if backend is Backend.MOSAIC:
+    if precision != "auto":
+      raise NotImplementedError(
+          "backend='mosaic' runs tokamax's kernel, which pins its own matmul"
+          f" precision; precision must be 'auto', got {precision!r}.")
     return {}
-  return dict(chunk_size=chunk_size, group_width=group_width)
+  resolved = precision_lib.resolve(precision, dtype)
+  if backend is Backend.REFERENCE:
+    return dict(precision=resolved)
+  return dict(chunk_size=chunk_size, group_width=group_width,
+              precision=resolved)
 
 
 def resolved_backend(backend: "str | Backend" = "auto", *,

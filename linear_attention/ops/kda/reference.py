@@ -18,6 +18,8 @@ follow `common`'s rules: a new run loads its segment's initial state, padding
 is a no-op with zero output. Accumulation is float32.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -28,8 +30,14 @@ def kda_reference(
     q, k, v, g, beta, *, scale, a_log=None, dt_bias=None, lower_bound=None,
     use_gate_in_kernel=False, use_qk_l2norm=False, initial_state=None,
     output_final_state=False, segment_ids=None, max_num_segments=None,
+    precision,
 ):
-  """See `linear_attention.ops.kimi_delta_attention` for the arguments."""
+  """See `linear_attention.ops.kimi_delta_attention` for the arguments.
+
+  `precision`: a resolved `precision.Precisions`; its `state` precision is
+  that of every product (all of them read or write the state).
+  """
+  mm = functools.partial(jnp.einsum, precision=precision.state)
   c = common.prepare(
       q, k, v, g, beta, scale=scale, a_log=a_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
@@ -48,9 +56,9 @@ def kda_reference(
     s = jnp.where(starts[:, None, None, None],
                   c.initial_state[rows, jnp.maximum(seg - 1, 0)], state)
     s = jnp.exp(g_t)[..., None] * s  # decay
-    pred = jnp.einsum("bhk,bhkv->bhv", k_t, s)  # what the memory predicts
-    s = s + jnp.einsum("bhk,bhv->bhkv", k_t, beta_t[..., None] * (v_t - pred))
-    o_t = jnp.einsum("bhk,bhkv->bhv", q_t, s)
+    pred = mm("bhk,bhkv->bhv", k_t, s)  # what the memory predicts
+    s = s + mm("bhk,bhv->bhkv", k_t, beta_t[..., None] * (v_t - pred))
+    o_t = mm("bhk,bhkv->bhv", q_t, s)
     # Padding leaves every state untouched and writes zero.
     state = jnp.where(valid[:, None, None, None], s, state)
     o_t = jnp.where(valid[:, None, None], o_t, 0.0)

@@ -88,12 +88,13 @@ def kda_chunked(
     q, k, v, g, beta, *, scale, a_log=None, dt_bias=None, lower_bound=None,
     use_gate_in_kernel=False, use_qk_l2norm=False, initial_state=None,
     output_final_state=False, segment_ids=None, max_num_segments=None,
-    chunk_size=None, group_width=None,
+    chunk_size=None, group_width=None, precision,
 ):
   """See `linear_attention.ops.kimi_delta_attention` for the arguments.
 
   `chunk_size` (one of `CHUNK_SIZES`) defaults to the platform's
-  (`backends.chunk_size`), `group_width` to `grouped.GROUP_WIDTH`.
+  (`backends.chunk_size`), `group_width` to `grouped.GROUP_WIDTH`;
+  `precision` is a resolved `precision.Precisions`.
   """
   dtype = common.compute_dtype(q, k, v, g, beta, initial_state)
   prep = functools.partial(
@@ -112,11 +113,13 @@ def kda_chunked(
     if output_final_state:
       o, final = segmented.packed_core_with_finals(
           cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
-          init_given=initial_state is not None, tiling=tiling)
+          init_given=initial_state is not None, tiling=tiling,
+          precision=precision)
     else:
       o = segmented.packed_core(
           cn.q, cn.k, cn.v, cn.g, cn.beta, cn.segment_ids, cn.initial_state,
-          init_given=initial_state is not None, tiling=tiling)
+          init_given=initial_state is not None, tiling=tiling,
+          precision=precision)
       final = cn.initial_state
   else:
     b, _, h, kd = q.shape
@@ -125,6 +128,6 @@ def kda_chunked(
     # Tokens are prepared group by group, inside the grouped scan.
     per_token = functools.partial(prep, initial_state=None, segment_ids=None)
     o, final = grouped.dense_core(q, k, v, g, beta, init, prep=per_token,
-                                  tiling=tiling)
+                                  tiling=tiling, precision=precision)
   return common.finish(o, final, dtype=q.dtype, has_segments=has_segments,
                        output_final_state=output_final_state)

@@ -38,7 +38,7 @@ def group_size(num_chunks, batch_heads, head_dim, chunk=64,
   return -(-num_chunks // groups), groups
 
 
-def dense_core(q, k, v, g, beta, init, *, prep, tiling):
+def dense_core(q, k, v, g, beta, init, *, prep, tiling, precision):
   """Raw inputs without segments -> (o [B,T,H,V], finals [B,1,H,K,V]).
 
   The chunk math of `chunked/__init__.py`, computed group by group: a
@@ -52,7 +52,8 @@ def dense_core(q, k, v, g, beta, init, *, prep, tiling):
   ([.., C, C] scores, [.., C, K] factors) a DRAM round trip; per group they
   stay in cache, which on a CPU halves the forward. The step is
   `jax.checkpoint`ed: the backward recomputes a group from its inputs and
-  carried state instead of storing every intermediate.
+  carried state instead of storing every intermediate. `precision`: the
+  op's `Precisions`.
   """
   b, t, h, kd = q.shape
   vd = v.shape[-1]
@@ -81,8 +82,9 @@ def dense_core(q, k, v, g, beta, init, *, prep, tiling):
     qc, kc, vc, gc = map(chunks, (qg, kg, vg, gg))
     bc = chunks(bg[..., None])[..., 0]
     dec = intra.intra_chunk(qc, kc, gc, sub=tiling.sub,
-                            bounded=tiling.bounded)
-    wu, q_dec = intra.ut_transform(qc, kc, vc, bc, dec)
+                            bounded=tiling.bounded,
+                            precision=precision.scores)
+    wu, q_dec = intra.ut_transform(qc, kc, vc, bc, dec, precision)
     w, u = wu[..., :kd], wu[..., kd:]
     k_end = linalg.transposed(kc * dec.to_end)  # [GS, B * H, K, C]
     # Per-chunk operands by one split each: its transpose is one concatenate
@@ -92,10 +94,12 @@ def dense_core(q, k, v, g, beta, init, *, prep, tiling):
     carried, v_new = [], []  # the state entering each chunk; its errors
     for j in range(gs):
       carried.append(state)
-      v_new.append(us[j] - linalg.mm(ws[j], state))
-      state = totals[j][..., None] * state + linalg.mm(k_ends[j], v_new[j])
+      v_new.append(us[j] - linalg.mm(ws[j], state, precision.state))
+      state = totals[j][..., None] * state + linalg.mm(
+          k_ends[j], v_new[j], precision.state)
     carried, v_new = jnp.stack(carried), jnp.stack(v_new)
-    o = linalg.mm(q_dec, carried) + linalg.mm(dec.a_qk, v_new)
+    o = (linalg.mm(q_dec, carried, precision.state)
+         + linalg.mm(dec.a_qk, v_new, precision.output))
     o = jnp.transpose(o.reshape(gs, b, h, c, vd), (1, 0, 3, 2, 4))
     return state, o.reshape(b, span, h, vd)
 

@@ -59,7 +59,7 @@ class ChunkDecays(NamedTuple):
   G: jax.Array | None  # [..., C, K] run-restarting cumulative decay (segments)
 
 
-def intra_chunk(q, k, g, *, sub, bounded, run=None, starts=None):
+def intra_chunk(q, k, g, *, sub, bounded, precision, run=None, starts=None):
   """Decays and masked score matrices for all chunks at once.
 
   Cut each chunk into NB = C / S blocks (S = `sub`). With incl[i] the sum of
@@ -86,6 +86,7 @@ def intra_chunk(q, k, g, *, sub, bounded, run=None, starts=None):
     q, k, g: [..., C, K] (q scaled); g the log decay (<= 0).
     sub: static block size (see `block_size`).
     bounded: static; True when a lower-bound gate keeps sub * |g| <= 80.
+    precision: the `lax.Precision` of the score products.
     run: [..., C] run index per token with packed segments; None: one run
       per chunk.
     starts: [..., C] bool, token starts a run (with `run`).
@@ -97,7 +98,7 @@ def intra_chunk(q, k, g, *, sub, bounded, run=None, starts=None):
   after = linalg.range_sums(g, sub, lambda i, j: j > i)
   tot = incl[..., sub - 1::sub, :]  # [..., NB, K] whole-block sums
   a_qk, a_kk = _block_scores(q, k, g, incl, after, tot, sub=sub,
-                             bounded=bounded)
+                             bounded=bounded, precision=precision)
   c = k.shape[-2]
   i = jnp.arange(c)
   lower, strict = i[:, None] >= i[None, :], i[:, None] > i[None, :]
@@ -117,7 +118,7 @@ def _blocks(x, sub):
   return x.reshape(x.shape[:-2] + (x.shape[-2] // sub, sub, x.shape[-1]))
 
 
-def _block_scores(q, k, g, incl, after, tot, *, sub, bounded):
+def _block_scores(q, k, g, incl, after, tot, *, sub, bounded, precision):
   """Unmasked (a_qk, a_kk) [..., C, C], one matmul per row block.
 
   Centred factors: rows exp(incl - half), diagonal-block columns
@@ -136,13 +137,14 @@ def _block_scores(q, k, g, incl, after, tot, *, sub, bounded):
   earlier = _earlier_columns(k, after, tot, half, sub)
 
   def factored(_):
-    return _scores(rows, _blocks(k * jnp.exp(-centred), sub), earlier, sub)
+    return _scores(rows, _blocks(k * jnp.exp(-centred), sub), earlier, sub,
+                   precision)
 
   def exact(_):
     zeros = jnp.zeros(k.shape[:-2] + (k.shape[-2] // sub, sub, k.shape[-1]),
                       k.dtype)
-    a_qk, a_kk = _scores(rows, zeros, earlier, sub)
-    d_qk, d_kk = _exact_diagonal(q, k, g, sub)
+    a_qk, a_kk = _scores(rows, zeros, earlier, sub, precision)
+    d_qk, d_kk = _exact_diagonal(q, k, g, sub, precision)
     return _add_diagonal(a_qk, d_qk, sub), _add_diagonal(a_kk, d_kk, sub)
 
   if bounded:
@@ -167,7 +169,7 @@ def _earlier_columns(k, after, tot, half, sub):
           * _blocks(k * jnp.exp(after), sub)[..., None, :, :, :])
 
 
-def _scores(rows, diag_cols, earlier, sub):
+def _scores(rows, diag_cols, earlier, sub, precision):
   """(a_qk, a_kk) from row factors and the diagonal blocks' columns."""
   nb, kd = diag_cols.shape[-3], diag_cols.shape[-1]
   batch, c = rows.shape[:-3], nb * sub
@@ -176,12 +178,13 @@ def _scores(rows, diag_cols, earlier, sub):
     bi = jnp.arange(nb)
     on_diag = (bi[:, None] == bi[None, :])[:, :, None, None]
     cols = jnp.where(on_diag, diag_cols[..., None, :, :, :], earlier)
-  a = linalg.mm_nt(rows, cols.reshape(batch + (nb, c, kd)))  # [..., NB, 2S, C]
+  a = linalg.mm_nt(rows, cols.reshape(batch + (nb, c, kd)),
+                   precision)  # [..., NB, 2S, C]
   return (a[..., :sub, :].reshape(batch + (c, c)),
           a[..., sub:, :].reshape(batch + (c, c)))
 
 
-def _exact_diagonal(q, k, g, sub):
+def _exact_diagonal(q, k, g, sub, precision):
   """Diagonal blocks (d_qk, d_kk) [..., NB, S, S] by the masked exponent."""
   gb, qb, kb = _blocks(g, sub), _blocks(q, sub), _blocks(k, sub)
   s = jnp.arange(sub)
@@ -191,8 +194,10 @@ def _exact_diagonal(q, k, g, sub):
   pair = jnp.swapaxes(jax.lax.cumsum(after_t, axis=after_t.ndim - 2),
                       -2, -3)
   decay = linalg.exp_masked(pair, (s[:, None] >= s[None, :])[..., None])
-  d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, decay)
-  d_kk = jnp.einsum("...sk,...tk,...stk->...st", kb, kb, decay)
+  d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, decay,
+                    precision=precision)
+  d_kk = jnp.einsum("...sk,...tk,...stk->...st", kb, kb, decay,
+                    precision=precision)
   return d_qk, d_kk
 
 
@@ -232,12 +237,13 @@ def _decays(g, incl, after, tot, *, sub, run, starts):
   return read, to_end, jnp.exp(jnp.sum(tot, axis=-2)), None
 
 
-def ut_transform(qc, kc, vc, bc, dec):
+def ut_transform(qc, kc, vc, bc, dec, precision):
   """The UT transform of every chunk.
 
   Args:
     qc, kc, vc: [..., C, K|V] chunked inputs (q scaled); bc: [..., C] beta.
     dec: the chunks' `ChunkDecays`.
+    precision: the op's `Precisions` (the solve's is used).
 
   Returns:
     (wu, q_dec): [W | U] [..., C, K + V] with (I + A) [W | U] =
@@ -247,19 +253,23 @@ def ut_transform(qc, kc, vc, bc, dec):
   rhs = jnp.concatenate([dec.read * kc, vc], axis=-1) * bc[..., None]
   # The solve always works on 16 x 16 blocks (its numerics do not depend on
   # how the scores were factored).
-  return linalg.ut_solve(dec.a_kk * bc[..., None], rhs), qc * dec.read
+  return (linalg.ut_solve(dec.a_kk * bc[..., None], rhs, precision.solve),
+          qc * dec.read)
 
 
-def affine_maps(qc, kc, vc, bc, dec):
+def affine_maps(qc, kc, vc, bc, dec, precision):
   """`ut_transform` and each chunk's affine state map X_next = trans X + bias.
+
+  `precision`: the op's `Precisions` (the map is a state product).
 
   Returns:
     (w, u, q_dec, trans, bias).
   """
   kd = kc.shape[-1]
-  wu, q_dec = ut_transform(qc, kc, vc, bc, dec)
+  wu, q_dec = ut_transform(qc, kc, vc, bc, dec, precision)
   # (exp(G_C - G) K)^T as an array of its own (see `linalg.mm`).
-  k_end_wu = linalg.mm(linalg.transposed(kc * dec.to_end), wu)  # [..., K, K + V]
+  k_end_wu = linalg.mm(linalg.transposed(kc * dec.to_end), wu,
+                       precision.state)  # [..., K, K + V]
   trans = jnp.eye(kd, dtype=kc.dtype) * dec.total[..., None, :] - k_end_wu[
       ..., :kd]
   return wu[..., :kd], wu[..., kd:], q_dec, trans, k_end_wu[..., kd:]

@@ -77,55 +77,60 @@ def _same_vma(f):
   variance of their primal inputs; with one input mesh-invariant (a constant,
   a replicated state) and the other varying, the closed-form cotangent of the
   invariant one would vary. Casting first lets autodiff transpose the cast
-  (a psum) outside the custom rule. A no-op outside `shard_map`.
+  (a psum) outside the custom rule. A no-op outside `shard_map`. The last
+  argument, the precision, is static and passed through.
   """
   @functools.wraps(f)
   def call(*args):
-    return f(*common.vary_like(args, *args))
+    *arrays, precision = args
+    return f(*common.vary_like(tuple(arrays), *arrays), precision)
   return call
 
 
-@jax.custom_vjp
-def _mm(a, b):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _mm(a, b, precision):
   """a @ b for [..., M, K] x [..., K, N] with equal batch axes.
 
   Its VJP computes a^T g from a materialised a^T: autodiff's form contracts
-  over a's major axis, which XLA:CPU sends to a dot path ~2x slower.
+  over a's major axis, which XLA:CPU sends to a dot path ~2x slower. Every
+  product, the VJP's included, runs at `precision` (a `lax.Precision`).
   """
-  return a @ b
+  return jnp.matmul(a, b, precision=precision)
 
 
 mm = _same_vma(_mm)
 
 
-def _mm_fwd(a, b):
-  return a @ b, (a, b)
+def _mm_fwd(a, b, precision):
+  return _mm(a, b, precision), (a, b)
 
 
-def _mm_bwd(res, g):
+def _mm_bwd(precision, res, g):
   a, b = res
-  return mm_nt(g, b), transposed(a) @ g
+  return (mm_nt(g, b, precision),
+          jnp.matmul(transposed(a), g, precision=precision))
 
 
 _mm.defvjp(_mm_fwd, _mm_bwd)
 
 
-@jax.custom_vjp
-def _mm_nt(a, b):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _mm_nt(a, b, precision):
   """a @ b^T for [..., M, K] x [..., N, K] with equal batch axes (see `mm`)."""
-  return jnp.einsum("...ik,...jk->...ij", a, b)
+  return jnp.einsum("...ik,...jk->...ij", a, b, precision=precision)
 
 
 mm_nt = _same_vma(_mm_nt)
 
 
-def _mm_nt_fwd(a, b):
-  return _mm_nt(a, b), (a, b)
+def _mm_nt_fwd(a, b, precision):
+  return _mm_nt(a, b, precision), (a, b)
 
 
-def _mm_nt_bwd(res, g):
+def _mm_nt_bwd(precision, res, g):
   a, b = res
-  return g @ b, transposed(g) @ a
+  return (jnp.matmul(g, b, precision=precision),
+          jnp.matmul(transposed(g), a, precision=precision))
 
 
 _mm_nt.defvjp(_mm_nt_fwd, _mm_nt_bwd)
@@ -157,13 +162,15 @@ def to_blocks(full, size):
   return jnp.swapaxes(full.reshape(batch + (n, size, n, size)), -2, -3)
 
 
-def unit_triangular_solve(blk, rhs, lower):
+def unit_triangular_solve(blk, rhs, lower, precision):
   """(I + A)^-1 rhs for A strictly triangular, given as blocks.
 
   Args:
     blk: [..., NB, NB, S, S], blk[n, m] = A[n-th row block, m-th col block];
       A strictly lower (`lower`) or strictly upper.
     rhs: [..., NB * S, N].
+    lower: whether A is lower triangular.
+    precision: the `lax.Precision` of every product.
 
   Blocked substitution: the S x S diagonal blocks are inverted by repeated
   squaring (six batched matmuls), then the block rows are solved in order
@@ -177,12 +184,13 @@ def unit_triangular_solve(blk, rhs, lower):
   # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8): L is strictly
   # triangular 16 x 16, so L^16 = 0 and the product telescopes to
   # (I - L^16)(I + L)^-1.
+  matmul = functools.partial(jnp.matmul, precision=precision)
   eye = jnp.eye(s, dtype=blk.dtype)
   inv = eye - diag
   power = diag
   for _ in range(s.bit_length() - 2):
-    power = power @ power
-    inv = inv @ (eye + power)
+    power = matmul(power, power)
+    inv = matmul(inv, eye + power)
   rb = rhs.reshape(batch + (nb, s, rhs.shape[-1]))
   xs = [None] * nb
   for i in (range(nb) if lower else reversed(range(nb))):
@@ -190,37 +198,40 @@ def unit_triangular_solve(blk, rhs, lower):
     done = range(i) if lower else range(i + 1, nb)
     if done:
       left = jnp.swapaxes(blk[..., i, done[0]:done[-1] + 1, :, :], -2, -3)
-      r = r - left.reshape(batch + (s, len(done) * s)) @ jnp.concatenate(
-          [xs[m] for m in done], axis=-2)
-    xs[i] = inv[..., i, :, :] @ r
+      r = r - matmul(left.reshape(batch + (s, len(done) * s)),
+                     jnp.concatenate([xs[m] for m in done], axis=-2))
+    xs[i] = matmul(inv[..., i, :, :], r)
   return jnp.concatenate(xs, axis=-2)
 
 
-@jax.custom_vjp
-def _ut_solve(a, rhs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ut_solve(a, rhs, precision):
   """(I + A)^-1 rhs for A [..., C, C] strictly lower, rhs [..., C, N].
 
   Blocked forward substitution on 16 x 16 blocks. The VJP is the closed form
   d rhs = (I + A)^-T g (back substitution with the transposed blocks) and
   dA = -tril(d rhs out^T) (strictly lower): no autodiff through the blocks.
+  Every product at `precision`.
   """
-  return unit_triangular_solve(to_blocks(a, SUB), rhs, lower=True)
+  return unit_triangular_solve(to_blocks(a, SUB), rhs, lower=True,
+                               precision=precision)
 
 
 ut_solve = _same_vma(_ut_solve)
 
 
-def _ut_solve_fwd(a, rhs):
-  out = _ut_solve(a, rhs)
+def _ut_solve_fwd(a, rhs, precision):
+  out = _ut_solve(a, rhs, precision)
   return out, (a, out)
 
 
-def _ut_solve_bwd(res, g):
+def _ut_solve_bwd(precision, res, g):
   a, out = res
   d_rhs = unit_triangular_solve(to_blocks(transposed(a), SUB), g,
-                                 lower=False)
+                                lower=False, precision=precision)
   i = jnp.arange(a.shape[-1])
-  d_a = jnp.where(i[:, None] > i[None, :], -mm_nt(d_rhs, out), 0.0)
+  d_a = jnp.where(i[:, None] > i[None, :], -mm_nt(d_rhs, out, precision),
+                  0.0)
   return d_a, d_rhs
 
 

@@ -74,7 +74,7 @@ def _chunks(q, k, v, g, beta, segment_ids, nc, c):
 
 
 def packed_core_with_finals(q, k, v, g, beta, segment_ids, init, *,
-                            init_given, tiling):
+                            init_given, tiling, precision):
   """Canonical inputs with segments -> (o, finals [B,N,H,K,V]).
 
   All chunks at once: the intra-chunk work is batched over every chunk, the
@@ -91,9 +91,11 @@ def packed_core_with_finals(q, k, v, g, beta, segment_ids, init, *,
   run_c, start_c, seg_c, cont = per_chunk
 
   dec = intra.intra_chunk(qc, kc, gc, run=run_c, starts=start_c,
-                          sub=tiling.sub, bounded=tiling.bounded)
+                          sub=tiling.sub, bounded=tiling.bounded,
+                          precision=precision.scores)
   a_qk = dec.a_qk
-  w, u, q_dec, trans, bias = intra.affine_maps(qc, kc, vc, bc, dec)
+  w, u, q_dec, trans, bias = intra.affine_maps(qc, kc, vc, bc, dec,
+                                               precision)
 
   # Initial states of segments whose runs start inside a chunk.
   init0 = jnp.concatenate([jnp.zeros_like(init[:, :1]), init], axis=1)
@@ -106,7 +108,7 @@ def packed_core_with_finals(q, k, v, g, beta, segment_ids, init, *,
     trans_c, bias_c, keep, fresh = xs
     x = jnp.where(keep[:, None, None, None], state,
                   fresh if init_given else 0.0)
-    return linalg.mm(trans_c, x) + bias_c, state
+    return linalg.mm(trans_c, x, precision.state) + bias_c, state
 
   xs = [jnp.moveaxis(trans, 1, 0), jnp.moveaxis(bias, 1, 0),
         jnp.moveaxis(last_cont, 1, 0),
@@ -118,7 +120,8 @@ def packed_core_with_finals(q, k, v, g, beta, segment_ids, init, *,
   _, carried = jax.lax.scan(step, carry0, xs)
   carried = jnp.moveaxis(carried, 0, 1)  # [B, NC, H, K, V]
 
-  w_x, q_x = linalg.mm(w, carried), linalg.mm(q_dec, carried)
+  w_x = linalg.mm(w, carried, precision.state)
+  q_x = linalg.mm(q_dec, carried, precision.state)
   cont_f = cont[..., None].astype(q.dtype)
   w_x, q_x = w_x * cont_f, q_x * cont_f
   if init_given:
@@ -126,21 +129,22 @@ def packed_core_with_finals(q, k, v, g, beta, segment_ids, init, *,
     # initial state: [.., C, K] x [B, N, H, K, V] selected per token.
     tok_seg = jnp.broadcast_to(seg_c, (b, nc, h, c))
     fresh = 1.0 - cont_f
-    w_x = w_x + fresh * _read_init(w, init0, tok_seg)
-    q_x = q_x + fresh * _read_init(q_dec, init0, tok_seg)
+    w_x = w_x + fresh * _read_init(w, init0, tok_seg, precision.state)
+    q_x = q_x + fresh * _read_init(q_dec, init0, tok_seg, precision.state)
   v_new = u - w_x
-  o = q_x + linalg.mm(a_qk, v_new)
+  o = q_x + linalg.mm(a_qk, v_new, precision.output)
 
   o = jnp.moveaxis(o, 2, 3).reshape(b, nc * c, h, vd)[:, :t]
   o = jnp.where(valid[..., None, None], o, 0.0)
 
   finals = _segment_finals(
       init, init0, run_index, run_seg, carried, dec.G, gc, kc, v_new, cont,
-      run_c, init_given, n_seg)
+      run_c, init_given, n_seg, precision.state)
   return o, finals
 
 
-def packed_core(q, k, v, g, beta, segment_ids, init, *, init_given, tiling):
+def packed_core(q, k, v, g, beta, segment_ids, init, *, init_given, tiling,
+                precision):
   """Canonical inputs with segments -> o, group by group (no final states).
 
   The math of `packed_core_with_finals`, in a `jax.checkpoint`ed `lax.scan` over
@@ -165,8 +169,10 @@ def packed_core(q, k, v, g, beta, segment_ids, init, *, init_given, tiling):
   def step(state, group):
     qg, kg, vg, gg, bg, run_g, start_g, seg_g, cont_g = group
     dec = intra.intra_chunk(qg, kg, gg, run=run_g, starts=start_g,
-                            sub=tiling.sub, bounded=tiling.bounded)
-    w, u, q_dec, trans, bias = intra.affine_maps(qg, kg, vg, bg, dec)
+                            sub=tiling.sub, bounded=tiling.bounded,
+                            precision=precision.scores)
+    w, u, q_dec, trans, bias = intra.affine_maps(qg, kg, vg, bg, dec,
+                                                 precision)
     keep = cont_g[:, :, 0, -1]  # [B, GS]: chunk-end run began earlier
     if init_given:
       fresh = jnp.take_along_axis(
@@ -176,16 +182,19 @@ def packed_core(q, k, v, g, beta, segment_ids, init, *, init_given, tiling):
       carried.append(state)
       x = jnp.where(keep[:, j, None, None, None], state,
                     fresh[:, j] if init_given else 0.0)
-      state = linalg.mm(trans[:, j], x) + bias[:, j]
+      state = linalg.mm(trans[:, j], x, precision.state) + bias[:, j]
     carried = jnp.stack(carried, axis=1)  # [B, GS, H, K, V]
     cont_f = cont_g[..., None].astype(qg.dtype)
-    w_x = linalg.mm(w, carried) * cont_f
-    q_x = linalg.mm(q_dec, carried) * cont_f
+    w_x = linalg.mm(w, carried, precision.state) * cont_f
+    q_x = linalg.mm(q_dec, carried, precision.state) * cont_f
     if init_given:
       tok_seg = jnp.broadcast_to(seg_g, (b, gs, h, c))
-      w_x = w_x + (1.0 - cont_f) * _read_init(w, init0, tok_seg)
-      q_x = q_x + (1.0 - cont_f) * _read_init(q_dec, init0, tok_seg)
-    o = q_x + linalg.mm(dec.a_qk, u - w_x)  # [B, GS, H, C, V]
+      w_x = w_x + (1.0 - cont_f) * _read_init(w, init0, tok_seg,
+                                              precision.state)
+      q_x = q_x + (1.0 - cont_f) * _read_init(q_dec, init0, tok_seg,
+                                              precision.state)
+    o = q_x + linalg.mm(dec.a_qk, u - w_x,
+                        precision.output)  # [B, GS, H, C, V]
     return state, jnp.moveaxis(o, 2, 3).reshape(b, gs * c, h, vd)
 
   carry0 = common.vary_like(jnp.zeros((b, h, kd, vd), q.dtype), xs, init)
@@ -194,15 +203,15 @@ def packed_core(q, k, v, g, beta, segment_ids, init, *, init_given, tiling):
   return jnp.where(valid[..., None, None], o, 0.0)
 
 
-def _read_init(x, init0, tok_seg):
+def _read_init(x, init0, tok_seg, precision):
   """x [B,NC,H,C,K] times init0[seg of each token] [K,V] -> [B,NC,H,C,V]."""
-  per_seg = jnp.einsum("bnhck,bshkv->bnhcsv", x, init0)
+  per_seg = jnp.einsum("bnhck,bshkv->bnhcsv", x, init0, precision=precision)
   return jnp.take_along_axis(
       per_seg, tok_seg[..., None, None], axis=-2)[..., 0, :]
 
 
 def _segment_finals(init, init0, run_index, run_seg, carried, G, gc, kc, v_new,
-                    cont, run_c, init_given, n_seg):
+                    cont, run_c, init_given, n_seg, precision):
   """Final state of each segment: the state after the end of its last run."""
   b, nc, h, c, kd = kc.shape
   t_pad = nc * c
@@ -229,7 +238,8 @@ def _segment_finals(init, init0, run_index, run_seg, carried, G, gc, kc, v_new,
                      g_n, 0.0)
   decay = linalg.exp_masked(linalg.range_sums(upto_e, c, lambda i, j: j > i),
                       mine[:, :, None, :, None])  # [B,N,H,C,K]: (j, e]
-  write = jnp.einsum("bnhck,bnhcv->bnhkv", k_n * decay, v_n)
+  write = jnp.einsum("bnhck,bnhcv->bnhkv", k_n * decay, v_n,
+                     precision=precision)
   e_cont = jnp.take_along_axis(cont_n, e[..., None], axis=-1)[..., 0]
   x = jnp.where(e_cont[..., None, None, None], carried_n,
                 init0[:, 1:] if init_given else 0.0)
