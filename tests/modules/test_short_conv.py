@@ -28,7 +28,7 @@ class ShortConvolutionTest(chex.TestCase):
         dict(params), {"conv/w": np.zeros((4, 64)), "conv/b": np.zeros(64)})
     w = np.asarray(params["conv/w"])
     assert np.all(np.abs(w) <= 0.5) and w.std() > 0.2  # U(-1/2, 1/2), W = 4
-    assert np.all(np.asarray(params["conv/b"]) == 0)
+    assert np.all(np.asarray(params["conv/b"]) == 0)  # exact: jnp.zeros
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(dict(use_bias=False, activation="silu"),

@@ -145,6 +145,7 @@ def test_kda_gradients_match_finite_differences(case, backend, chunk):
   loss = kda_loss(tuned, backend, (o.shape, s.shape))
   grads = check_against_finite_differences(
       loss, args, [n for n in DIFF if n in args])
+  # exact: padding inputs are masked with jnp.where: zero cotangents.
   if "segment_ids" in kw:  # padding tokens get exactly zero gradient
     pad = np.asarray(kw["segment_ids"]) == 0
     for name in ("q", "k", "v", "g", "beta"):

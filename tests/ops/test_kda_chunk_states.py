@@ -107,6 +107,7 @@ def test_chunk_states_match_the_float64_oracle(backend, case, every):
   assert states.shape == want.shape == (3, 40 // every, 2, 8, 6)
   assert states.dtype == jnp.float64
   testing.assert_close(states, want, rtol=1e-12, name="chunk_states")
+  # exact: chunk_states writes jnp.where(ends_valid, state, 0) there.
   if "segment_ids" in kw:  # boundaries on padding are exactly zero
     pad = np.asarray(kw["segment_ids"])[:, every - 1::every][:, :40 // every]
     assert pad.min() == 0

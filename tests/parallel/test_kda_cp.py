@@ -226,6 +226,7 @@ class MosaicContextParallelTest(parameterized.TestCase):
     got = jax.shard_map(
         lambda s: mosaic._global_runs(s, AXIS), mesh=common.mesh(num_ranks),
         in_specs=P(None, AXIS), out_specs=P(None, AXIS))(jnp.asarray(ids))
+    # exact: integer labels from integer ids (no floating point).
     np.testing.assert_array_equal(got, want)
 
   @parameterized.named_parameters(
