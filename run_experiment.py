@@ -30,6 +30,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from experiments import compilation_cache
 from experiments import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -53,6 +54,9 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "jax.distributed.initialize's num_processes.")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "jax.distributed.initialize's process_id.")
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", compilation_cache.DEFAULT_DIR,
+    compilation_cache.FLAG_HELP)
 
 
 def _initialize_distributed() -> None:
@@ -83,6 +87,7 @@ def main(argv):
   if config is None or not workdir:
     raise app.UsageError("--config and --workdir are required.")
   _initialize_distributed()  # before any other JAX call
+  compilation_cache.enable(_COMPILATION_CACHE_DIR.value)
   train.quiet_orbax_logs()
   logging.info("Config:\n%s", config)
   summary = train.train_and_evaluate(config, workdir,

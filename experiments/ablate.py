@@ -23,6 +23,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from configs import common as config_lib
+from experiments import compilation_cache
 from experiments import metrics as metrics_lib
 from experiments import model as model_lib
 from experiments import plotting
@@ -38,6 +39,9 @@ _MIXERS = flags.DEFINE_list(
 _SEEDS = flags.DEFINE_list("seeds", None, "Seeds (default: the config's).")
 _LEARNING_RATES = flags.DEFINE_list(
     "learning_rates", None, "Peak learning rates (default: the config's).")
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", compilation_cache.DEFAULT_DIR,
+    compilation_cache.FLAG_HELP)
 
 
 def run_name(mixer: str, seed: int, lr: float) -> str:
@@ -109,6 +113,7 @@ def main(argv):
   config = _CONFIG.value
   if config is None or not _WORKDIR.value:
     raise app.UsageError("--config and --workdir are required.")
+  compilation_cache.enable(_COMPILATION_CACHE_DIR.value)
   train.quiet_orbax_logs()
   seeds = [int(s) for s in _SEEDS.value] if _SEEDS.value else [config.seed]
   lrs = ([float(x) for x in _LEARNING_RATES.value] if _LEARNING_RATES.value

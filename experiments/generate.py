@@ -14,6 +14,7 @@ import sys
 from absl import app
 from absl import flags
 
+from experiments import compilation_cache
 from experiments import generation
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A text run's directory.")
@@ -25,6 +26,9 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0,
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely"
                               " bytes (0: all).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", compilation_cache.DEFAULT_DIR,
+    compilation_cache.FLAG_HELP)
 
 
 def main(argv):
@@ -32,6 +36,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required.")
+  compilation_cache.enable(_COMPILATION_CACHE_DIR.value)
   try:
     text = generation.continue_text(
         _WORKDIR.value, _PROMPT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
