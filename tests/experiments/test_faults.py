@@ -96,6 +96,9 @@ def test_sigkill_at_random_moments_resumes_to_the_uninterrupted_run(
   assert kills >= 3, "too few of the kills landed before the run finished"
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
+  # exact (here and below): the same compiled steps (the same HLO, on this
+  # machine) on the checkpoints' bits and the same batches as the
+  # uninterrupted run; resuming repeats the computation, it is no other one.
   assert {k: summary[k] for k in DETERMINISTIC} == {
       k: reference[k] for k in DETERMINISTIC}
   steps = [(r[0], r[1]) for r in _scores(workdir)]
@@ -118,6 +121,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path):
   os.truncate(biggest, os.path.getsize(biggest) // 2)
   summary = train.train_and_evaluate(config, workdir)
   assert summary["steps_trained_this_run"] == 12 - 6  # from step 6, not 0
+  # exact: resumed, the same compiled steps on the checkpoint's bits.
   assert _scores(workdir) == _scores(straight)
   # With every checkpoint damaged: an error naming the directory.
   train.train_and_evaluate(config, str(tmp_path / "both"), stop_at_step=10)

@@ -3,6 +3,8 @@
 
 The binned accuracy of real runs is checked in test_sweep.py (its smoke
 sweep's `--recall` must add up to each run's held-out accuracy).
+
+Every comparison here is exact: positions and lags are integer NumPy code.
 """
 
 import ml_collections

@@ -71,10 +71,12 @@ def test_smoke_run_writes_the_workdir_and_resumes_when_done(tmp_path):
   assert [r["step"] for r in trains] == list(range(1, n + 1))
   for r in trains:
     assert r["steps_per_second"] > 0 and r["tokens_per_second"] > 0
+  # exact: the summary copies these from the eval records.
   assert summary["final_eval_accuracy"] == evals[-1]["accuracy"]
   assert summary["best_eval_accuracy"] == max(r["accuracy"] for r in evals)
   # A finished workdir is not retrained: the same summary comes back.
   again = train.train_and_evaluate(config, workdir)
+  # exact: the stored summary and records read back, nothing recomputed.
   assert again == json.loads(json.dumps(summary))
   assert _records(workdir) == records
 
@@ -114,6 +116,8 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
       "train.length_curriculum: absent (ran as []) -> [[2, 32]]"]
   summary = train.train_and_evaluate(config, killed)
   assert summary["steps_trained_this_run"] == n - (stop // every) * every
+  # exact: the same compiled steps on the checkpoint's bits and the same
+  # batches (a pure function of seed and step) as the uninterrupted run.
   assert _scores(killed) == _scores(str(tmp_path / "straight"))
 
 
@@ -184,14 +188,14 @@ def test_length_curriculum_trains_other_lengths_first_and_resumes(tmp_path):
                                        seq_len=want[1]))
     drawn = stage.sample(tasks_lib.rng(0, tasks_lib.TRAIN_STREAM, step),
                          want[0]).as_dict()
-    for name in drawn:
+    for name in drawn:  # exact: the same NumPy draw from the same seed
       np.testing.assert_array_equal(batch[name], drawn[name])
   # A stage at the task's own length draws the batches of no curriculum.
   same = train.train_batches(config_lib.apply_diff(
       config, {"train.length_curriculum": ((3, 64),)}), task)
   plain = train.train_batches(_smoke("attention"), task)
   for step in range(config.train.num_steps):
-    for name, x in plain(step).items():
+    for name, x in plain(step).items():  # exact: the same NumPy draw
       np.testing.assert_array_equal(same(step)[name], x)
   train.train_and_evaluate(_smoke("attention"), str(tmp_path / "plain"))
   # Killed at step 3 (checkpoint at 2), it resumes inside the stage and
@@ -200,9 +204,12 @@ def test_length_curriculum_trains_other_lengths_first_and_resumes(tmp_path):
   killed = str(tmp_path / "killed")
   train.train_and_evaluate(config, killed, stop_at_step=3)
   train.train_and_evaluate(config, killed)
+  # exact: resumed, the same compiled steps on the checkpoint's bits.
   assert _scores(killed) == _scores(str(tmp_path / "straight"))
   assert straight["seq_len"] == 64
   # The held-out set stays at the task's length: step 0 is the plain run's.
+  # exact: the curriculum changes only the training batches; the step-0
+  # eval is the same HLO on the same initial parameters and held-out set.
   assert _scores(killed)[0] == _scores(str(tmp_path / "plain"))[0]
   assert _scores(killed)[1] != _scores(str(tmp_path / "plain"))[1]
   prog = train.build_program(config)

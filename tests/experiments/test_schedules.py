@@ -75,6 +75,8 @@ def test_constant_run_extended_to_twice_its_steps_is_the_longer_run(tmp_path):
   assert train.train_and_evaluate(_config("constant", 6), extended) == first
   summary = train.train_and_evaluate(_config("constant", 12), extended)
   assert summary["steps"] == 12 and summary["steps_trained_this_run"] == 6
+  # exact: the constant schedule does not read num_steps, so both configs
+  # compile the same train step (identical HLO) and the extension resumes it.
   assert _scores(extended) == _scores(straight)
   # A lower cap than the run trained: finished, config.json left as it ran.
   assert train.train_and_evaluate(_config("constant", 6), extended) == (
@@ -96,6 +98,10 @@ def test_wsd_run_extends_from_before_its_decay(tmp_path):
   assert kept == [9, 10, 12]  # the last two and the decay start
   summary = train.train_and_evaluate(_config("wsd", 24, **diff), extended)
   assert summary["steps_trained_this_run"] == 24 - 9
+  # exact: the two steps' HLO differ only in the decay's constants (start 9
+  # vs 18, length 3 vs 6); before step 9 join_schedules' where discards that
+  # branch, so steps 1-9 compute the same arithmetic, and from step 9 on
+  # both run the 24-step program.
   assert _scores(extended) == _scores(straight)
 
 

@@ -1,4 +1,9 @@
-"""Invariants of the synthetic task generators (NumPy only, fast)."""
+"""Invariants of the synthetic task generators (NumPy only, fast).
+
+Every comparison here is exact: the generators are integer NumPy code (masks
+are literal 0.0 / 1.0), and a generator drawn twice from one seed repeats the
+same computation.
+"""
 
 import numpy as np
 import pytest

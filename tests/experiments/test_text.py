@@ -66,6 +66,7 @@ def test_windows_are_the_files_packed_with_their_boundaries(tmp_path):
     data, owner = _stream(root, held)
     b = split.sample(tasks.rng(0, 0, 3), 16)
     again = split.sample(tasks.rng(0, 0, 3), 16)
+    # exact (and below): integer NumPy windows of the corpus's bytes.
     np.testing.assert_array_equal(b.inputs, again.inputs)
     for row in range(16):  # find the window in the stream
       x = np.append(b.inputs[row], b.targets[row, -1]).astype(np.uint8)
@@ -109,6 +110,8 @@ def test_text_run_records_its_corpus_and_refuses_another(tmp_path):
   assert out.stdout.startswith("def f(") and len(out.stdout) > len("def f(")
   again = generation.continue_text(workdir, "def f(", max_new_tokens=12,
                                  temperature=0.8, top_k=5, seed=1)
+  # exact: the CLI runs continue_text: the same jitted generate (the same
+  # HLO, on this machine) on the same checkpoint, prompt and seed.
   assert out.stdout.rstrip("\n") == "def f(" + again.rstrip("\n")
   with pytest.raises(ValueError, match="temperature"):
     generation.continue_text(workdir, "x", max_new_tokens=2, temperature=-1.0,
