@@ -1,0 +1,377 @@
+r"""KDA on a TPU: accuracy per matmul precision, and speed against tokamax.
+
+    python -m benchmarks.kda_tpu --phase=accuracy --out=DIR
+    python -m benchmarks.kda_tpu --phase=precision --out=DIR
+    python -m benchmarks.kda_tpu --phase=table --out=DIR
+    python -m benchmarks.kda_tpu --phase=mosaic --out=DIR
+
+Each phase writes `DIR/kda_tpu_<phase>.json` after every piece (an
+interrupted run keeps what it measured) and prints a markdown table.
+
+* `accuracy`: float32 inputs with realistic gates (the fused lower-bound
+  gate at -5 with a_log = log U(1, 16); at T = 1024 also the softplus gate),
+  q/k L2 norm, against the same op in float64 on the host's CPU (the
+  `reference` token scan, itself tested against a NumPy float64 recurrence
+  and float64 finite differences): relative L2 error of the output, the
+  final state and the gradient of every input under random cotangents, for
+  each precision setting (`SETTINGS`). Bounds the TPU-first-class issue set:
+  output and state 1e-5, gradients 1e-4 (g and beta 5e-4).
+* `precision`: at B1 T8192 H32 K128 bfloat16, forward and forward+backward
+  time of our default schedule, of the largest scan groups
+  (`group_width=65536`: 16 chunks a step), and of tokamax's own Pallas
+  kernel (`mosaic`) with its generation check lifted
+  (`tokamax.config.cross_compile`), checked against our output: does it run
+  on this chip? (The float32 times of each precision setting are `table`'s.)
+* `mosaic`: tokamax's Pallas kernel and its `xla_chunked` on `accuracy`'s
+  T = 1024 case, against the same float64 oracle.
+* `table`: B1 T8192 H32 K128 and B8 T4096 H16 K128, bfloat16 and float32,
+  ours at "default" and at "highest" precision and tokamax `xla_chunked`,
+  forward and forward+backward, in ms and as a fraction of the chip's
+  measured bfloat16 matmul rate (8192^3, this process) by the Kimi Linear
+  FLOP count (`kda_speed.kda_flops`; forward+backward counted 3x).
+
+Timing: compile, one untimed call, then `--repeats` rounds calling every
+implementation of a group once in rotating order (`kda_speed.time_rounds`,
+one warm call before each timed call); ratios are medians of per-round
+ratios. `--smoke` shrinks every shape (for the CPU test of this script).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import kda_speed
+from linear_attention import ops
+from linear_attention import testing
+from linear_attention.ops.kda import precision as precision_lib
+
+P = jax.lax.Precision
+Precisions = precision_lib.Precisions
+# Precision settings compared: the op's names and per-group mixes.
+SETTINGS = {
+    "default": "default",
+    "high": "high",
+    "highest": "highest",
+    "high_solve_highest": Precisions(P.HIGH, P.HIGHEST, P.HIGH, P.HIGH),
+    "high_state_highest": Precisions(P.HIGH, P.HIGH, P.HIGHEST, P.HIGH),
+    "highest_scores_output_high": Precisions(P.HIGH, P.HIGHEST, P.HIGHEST,
+                                             P.HIGH),
+    "default_scores_output": Precisions(P.DEFAULT, P.HIGHEST, P.HIGHEST,
+                                        P.DEFAULT),
+}
+BOUNDS = dict(o=1e-5, state=1e-5, q=1e-4, k=1e-4, v=1e-4, g=5e-4, beta=5e-4)
+NAMES = ("q", "k", "v", "g", "beta")
+MATMUL_N = 8192
+
+
+def inputs(b, t, h, d, dtype="float32", seed=0):
+  """Realistic gate inputs: kda_speed's, with dt_bias at the layer's init."""
+  q, k, v, g, beta, a_log, _ = kda_speed.make_inputs(b, t, h, d, seed, dtype)
+  # dt = exp(U(log 1e-3, log 1e-1)); dt_bias = inverse softplus of dt.
+  dt = jnp.exp(jax.random.uniform(jax.random.key(seed + 7), (h * d,),
+                                  minval=np.log(1e-3), maxval=np.log(1e-1)))
+  dt_bias = dt + jnp.log(-jnp.expm1(-dt))
+  return q, k, v, g, beta, a_log, dt_bias
+
+
+def op(backend="chunked", precision="auto", lower_bound=-5.0,
+       group_width=None, final=False):
+  """f(q, k, v, g, beta, a_log, dt_bias) -> o, or (o, final state)."""
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    o, s = ops.kimi_delta_attention(
+        q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_gate_in_kernel=True, use_qk_l2norm=True,
+        output_final_state=final, backend=backend, precision=precision,
+        group_width=group_width)
+    return (o, s) if final else o
+  return f
+
+
+def tokamax_mosaic():
+  """tokamax's Pallas kernel with its generation check lifted."""
+  import tokamax  # pylint: disable=g-import-not-at-top
+  inner = kda_speed.tokamax_impl("mosaic")
+
+  def f(*args):
+    with tokamax.config.cross_compile(True):
+      return inner(*args)
+  return f
+
+
+def with_grads(f):
+  """(o, state, grads of q..beta) under fixed random cotangents."""
+  def run(*args):
+    (o, s), vjp = jax.vjp(lambda *xs: f(*xs, *args[5:]), *args[:5])
+    # Drawn in float32 whatever the dtype, so the oracle gets the same ones.
+    do = jax.random.normal(jax.random.key(11), o.shape,
+                           jnp.float32).astype(o.dtype)
+    ds = jax.random.normal(jax.random.key(12), s.shape,
+                           jnp.float32).astype(s.dtype)
+    return o, s, vjp((do, ds))
+  return run
+
+
+def _cpu():
+  return jax.devices("cpu")[0]
+
+
+def oracle(args, lower_bound):
+  """o, state, grads in float64 on the CPU (the reference token scan)."""
+  with jax.enable_x64(True), jax.default_device(_cpu()):
+    args64 = [jax.device_put(np.asarray(x, np.float64), _cpu()) for x in args]
+    fn = with_grads(op("reference", "highest", lower_bound, final=True))
+    out = jax.jit(fn)(*args64)
+    return jax.tree.map(np.asarray, out)
+
+
+def _errors(got, want):
+  o, s, grads = got
+  wo, ws, wgrads = want
+  err = {"o": testing.relative_l2_error(np.asarray(o, np.float64), wo),
+         "state": testing.relative_l2_error(np.asarray(s, np.float64), ws)}
+  for name, x, w in zip(NAMES, grads, wgrads):
+    err[name] = testing.relative_l2_error(np.asarray(x, np.float64), w)
+  return err
+
+
+def phase_accuracy(a, save):
+  cases = [((2, 1024, 4, 128), -5.0), ((2, 1024, 4, 128), None),
+           ((1, 8192, 2, 128), -5.0)]
+  if a.smoke:
+    cases = [((1, 96, 2, 16), -5.0), ((1, 96, 2, 16), None)]
+  rows = []
+  for shape, lb in cases:
+    args = inputs(*shape)
+    start = time.perf_counter()
+    want = oracle(args, lb)
+    oracle_s = time.perf_counter() - start
+    for name, setting in SETTINGS.items():
+      fn = jax.jit(with_grads(op("chunked", setting, lb, final=True)))
+      try:
+        got = jax.block_until_ready(fn(*args))
+        err = _errors(got, want)
+        ok = all(err[n] <= BOUNDS[n] for n in BOUNDS)
+        rows.append(dict(shape=shape, lower_bound=lb, setting=name,
+                         errors=err, within_bounds=ok, oracle_s=oracle_s))
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(dict(shape=shape, lower_bound=lb, setting=name,
+                         error=repr(e)[:2000]))
+      save(rows)
+  return rows
+
+
+def tokamax_with_state(implementation):
+  """f(...) -> (o, final state) of tokamax's KDA in our layout."""
+  import tokamax  # pylint: disable=g-import-not-at-top
+
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    hf = lambda x: jnp.moveaxis(x, 2, 0)
+    with tokamax.config.cross_compile(True):
+      o, s = tokamax.ops.kimi_delta_attention(
+          hf(q), hf(k), hf(v), hf(g), jnp.moveaxis(beta, 2, 0), a_log=a_log,
+          delta_time_bias=dt_bias, use_gate_in_kernel=True, lower_bound=-5.0,
+          use_qk_l2norm=True, output_final_state=True,
+          implementation=implementation)
+    return jnp.moveaxis(o, 0, 2), s[:, 0]
+  return f
+
+
+def phase_mosaic(a, save):
+  """tokamax's Pallas kernel (and xla_chunked) against the float64 oracle."""
+  shape = (1, 128, 2, 32) if a.smoke else (2, 1024, 4, 128)
+  args = inputs(*shape)
+  want = oracle(args, -5.0)
+  rows = []
+  for impl in ("mosaic", "xla_chunked"):
+    try:
+      got = jax.block_until_ready(jax.jit(with_grads(
+          lambda *xs, impl=impl: tokamax_with_state(impl)(*xs)))(*args))
+      rows.append(dict(shape=shape, lower_bound=-5.0, setting=f"tokamax_{impl}",
+                       errors=_errors(got, want)))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(dict(shape=shape, lower_bound=-5.0,
+                       setting=f"tokamax_{impl}", error=repr(e)[:2000]))
+    save(rows)
+  for r in rows:
+    if "errors" in r:
+      r["within_bounds"] = all(r["errors"][n] <= BOUNDS[n] for n in BOUNDS)
+  save(rows)
+  return rows
+
+
+def _time_group(fns, args, repeats):
+  """Compiles, checks, and times fns in rounds; rows keyed by name."""
+  compiled, out, info = {}, {}, {}
+  for name, fn in fns.items():
+    try:
+      start = time.perf_counter()
+      jfn = jax.jit(fn)
+      lowered = jfn.lower(*args).compile()
+      mem = lowered.memory_analysis()
+      out[name] = jax.block_until_ready(jfn(*args))
+      compiled[name] = jfn
+      info[name] = dict(compile_s=time.perf_counter() - start,
+                        temp_mib=None if mem is None
+                        else mem.temp_size_in_bytes / 2**20)
+    except Exception as e:  # pylint: disable=broad-except
+      info[name] = dict(error=repr(e)[:2000])
+      traceback.print_exc()
+  times = kda_speed.time_rounds(compiled, args, repeats, warm_calls=1)
+  ref = next(iter(out.values()), None)
+  for name in compiled:
+    leaves = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float32))
+                                       for x in jax.tree.leaves(t)])
+    info[name].update(
+        ms=statistics.median(times[name]) * 1e3,
+        ms_rounds=[x * 1e3 for x in times[name]],
+        rel_err_vs_first=testing.relative_l2_error(leaves(out[name]),
+                                                   leaves(ref)))
+    if "tokamax_xla_chunked" in times:
+      info[name]["tokamax_xla_chunked_over_this"] = kda_speed.paired(
+          times["tokamax_xla_chunked"], times[name])
+  return info
+
+
+def matmul_rate(n):
+  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  f = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(f(a))
+  best = min(kda_speed.time_rounds({"mm": f}, (a,), 10)["mm"])
+  return 2 * n ** 3 / best
+
+
+def _mode_fn(f, mode):
+  return f if mode == "forward" else kda_speed.fwd_bwd(f)
+
+
+def phase_precision(a, save, rate):
+  shape = (1, 256, 4, 32) if a.smoke else (1, 8192, 32, 128)
+  rows = []
+  for dtype, settings, widths in (
+      ("bfloat16", ["default"], (None, 65536)),):
+    args = inputs(*shape, dtype=dtype)
+    for mode in ("forward", "forward+backward"):
+      fns = {f"ours_{s}": _mode_fn(op(precision=SETTINGS[s]), mode)
+             for s in settings}
+      for w in widths[1:]:
+        fns[f"ours_default_gw{w}"] = _mode_fn(op(precision="default",
+                                                 group_width=w), mode)
+      fns["tokamax_mosaic"] = _mode_fn(tokamax_mosaic(), mode)
+      info = _time_group(fns, args, a.repeats)
+      for name, r in info.items():
+        rows.append(dict(shape=shape, dtype=dtype, mode=mode, impl=name,
+                         **_rates(r, shape, mode, rate)))
+      save(rows)
+  return rows
+
+
+def _rates(r, shape, mode, rate):
+  if "ms" in r:
+    flops = kda_speed.kda_flops(*shape) * (1 if mode == "forward" else 3)
+    r["fraction_of_bf16_matmul"] = flops / (r["ms"] / 1e3) / rate
+  return r
+
+
+def phase_table(a, save, rate):
+  shapes = ([(1, 256, 4, 32), (2, 128, 2, 32)] if a.smoke
+            else [(1, 8192, 32, 128), (8, 4096, 16, 128)])
+  rows = []
+  for shape in shapes:
+    for dtype in ("bfloat16", "float32"):
+      args = inputs(*shape, dtype=dtype)
+      for mode in ("forward", "forward+backward"):
+        fns = {"ours_default": _mode_fn(op(precision="default"), mode),
+               "ours_highest": _mode_fn(op(precision="highest"), mode),
+               "tokamax_xla_chunked": _mode_fn(
+                   kda_speed.tokamax_impl("xla_chunked"), mode)}
+        info = _time_group(fns, args, a.repeats)
+        for name, r in info.items():
+          rows.append(dict(shape=shape, dtype=dtype, mode=mode, impl=name,
+                           **_rates(r, shape, mode, rate)))
+        save(rows)
+  return rows
+
+
+def markdown(phase, rows, rate):
+  if phase in ("accuracy", "mosaic"):
+    head = ("| B, T, H, K | gate | precision | " + " | ".join(BOUNDS)
+            + " | within bounds |")
+    lines = [head, "|" + "---|" * (len(BOUNDS) + 4)]
+    for r in rows:
+      gate = "softplus" if r["lower_bound"] is None else f"lb {r['lower_bound']}"
+      if "errors" not in r:
+        lines.append(f"| {r['shape']} | {gate} | {r['setting']} | error: "
+                     f"{r['error'][:80]} |")
+        continue
+      errs = " | ".join(f"{r['errors'][n]:.1e}" for n in BOUNDS)
+      lines.append(f"| {', '.join(map(str, r['shape']))} | {gate} |"
+                   f" {r['setting']} | {errs} | {r['within_bounds']} |")
+    return "\n".join(lines)
+  lines = [f"bf16 matmul {rate / 1e12:.1f} TFLOP/s ({MATMUL_N}^3)", "",
+           "| B, T, H, K | dtype | pass | implementation | ms | xla_chunked /"
+           " this | % bf16 peak | temp MiB | rel. err vs first |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    shape = ", ".join(map(str, r["shape"]))
+    if "ms" not in r:
+      lines.append(f"| {shape} | {r['dtype']} | {r['mode']} | {r['impl']} |"
+                   f" failed: {r.get('error', '')[:100]} |")
+      continue
+    ratio = r.get("tokamax_xla_chunked_over_this")
+    mem = r.get("temp_mib")
+    lines.append(
+        f"| {shape} | {r['dtype']} | {r['mode']} | {r['impl']} |"
+        f" {r['ms']:.2f} | {'-' if ratio is None else f'{ratio:.2f}x'} |"
+        f" {100 * r['fraction_of_bf16_matmul']:.1f}% |"
+        f" {'n/a' if mem is None else f'{mem:.0f}'} |"
+        f" {r['rel_err_vs_first']:.1e} |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--phase", required=True,
+                      choices=("accuracy", "precision", "table", "mosaic"))
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--smoke", action="store_true")
+  parser.add_argument("--out", default="benchmarks/results")
+  a = parser.parse_args()
+  os.makedirs(a.out, exist_ok=True)
+  path = os.path.join(a.out, f"kda_tpu_{a.phase}.json")
+  rate = (None if a.phase in ("accuracy", "mosaic")
+          else matmul_rate(512 if a.smoke else MATMUL_N))
+  device = jax.devices()[0]
+  machine = dict(platform=platform.platform(), device=str(device),
+                 device_kind=device.device_kind, jax=jax.__version__,
+                 jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else None,
+                 bf16_matmul_flops=rate)
+  try:
+    import libtpu  # pylint: disable=g-import-not-at-top
+    machine["libtpu"] = getattr(libtpu, "__version__", None)
+  except ImportError:
+    machine["libtpu"] = None
+
+  def save(rows):
+    with open(path, "w") as f:
+      json.dump(dict(machine=machine, phase=a.phase, repeats=a.repeats,
+                     rows=rows), f, indent=1, default=str)
+
+  runner = dict(accuracy=lambda: phase_accuracy(a, save),
+                mosaic=lambda: phase_mosaic(a, save),
+                precision=lambda: phase_precision(a, save, rate),
+                table=lambda: phase_table(a, save, rate))[a.phase]
+  rows = runner()
+  print(markdown(a.phase, rows, rate), flush=True)
+  print(f"\nwrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
