@@ -32,7 +32,10 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-xdist>=3.6", "hypothesis>=6.100"],
-        # On a TPU VM: pip install -e '.[tpu]' (jax's TPU runtime, libtpu).
+        # On a TPU VM: pip install -e '.[tpu]'. jax[tpu] pins the libtpu its
+        # Pallas lowering needs (JAX 0.12: libtpu==0.0.50.*; with an older
+        # libtpu, Pallas TPU kernels fail to load). Tested on TPU v5e with
+        # libtpu 0.0.50.1 (docs/tpu.md).
         "tpu": ["jax[tpu]>=0.12.0,<0.13"],
     },
 )
