@@ -6,8 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs
+PYTHON_TPU ?= $(BIN)/python
 
-.PHONY: test experiment venv clean
+.PHONY: test test-tpu experiment venv clean
 
 venv: $(STAMP)
 
@@ -19,6 +20,13 @@ $(STAMP): setup.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=20 tests
+
+# On a TPU host (after `pip install -e '.[tpu,test]'`): the suite in one
+# process on the chip (one process holds it), compiled programs cached on
+# disk; per-test outcomes in tpu-tests.xml. Multi-device tests skip there.
+test-tpu:
+	JAX_PLATFORMS=tpu,cpu JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$$HOME/.cache/linear_attention/jax_compilation_cache} \
+	  $(PYTHON_TPU) -m pytest -p no:xdist -q -rs --durations=20 --junitxml=tpu-tests.xml tests
 
 experiment: $(STAMP)
 	$(BIN)/python -m experiments.ablate --config=configs/mqar.py --mixers=kda,kda_zeroed --workdir=$(WORKDIR)/mqar_ablation

@@ -21,6 +21,7 @@ from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.csa import pallas
 from linear_attention.ops.kda import mosaic
+from tests import devices as test_devices
 
 F32_RTOL = testing.RTOL[np.dtype("float32")]
 BF16_RTOL = testing.RTOL[np.dtype("bfloat16")]
@@ -229,9 +230,7 @@ class VariantsTest(chex.TestCase):
 
 
 def test_sharded_matches_unsharded():
-  devices = np.array(jax.devices()[:8])
-  if devices.size < 8:
-    pytest.skip("needs 8 (simulated) devices; see tests/conftest.py")
+  devices = np.array(test_devices.devices(8))
   mesh = jax.sharding.Mesh(devices.reshape(4, 2), ("data", "context"))
   c = Case(b=4, s=13, h=2, d=8, w=6, r=2, positions="packed", seed=8)
   (q, k, w), kw, orc = make(c)

@@ -17,6 +17,7 @@ from experiments import interpret
 from linear_attention import ops
 from linear_attention.ops import backends
 from linear_attention.ops.kda import mosaic
+from tests import devices as test_devices
 
 B, T, H, K = 1, 128, 2, 128
 
@@ -87,7 +88,7 @@ def test_lowering_mode_targets_the_chip_through_jax_not_a_patch():
   # The target is JAX's abstract device; nothing in JAX or tokamax replaced.
   lookup = pltpu.get_tpu_info
   assert backends.resolve("auto") is backends.Backend.CHUNKED  # a CPU host
-  mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
+  mesh = jax.sharding.Mesh(test_devices.devices(4)[:2], ("data",))
   with mosaic.lowering_mode("v6e", mesh) as abstract:
     assert pltpu.get_tpu_info is lookup
     assert pltpu.get_tpu_info().generation == 6  # from the abstract device
@@ -96,7 +97,7 @@ def test_lowering_mode_targets_the_chip_through_jax_not_a_patch():
     assert backends.chunk_size() == 64  # the TPU's, not the host's
     assert backends.target_platform() == "tpu"
     assert backends.target_mesh(mesh) is abstract
-    other = jax.sharding.Mesh(jax.devices()[:4], ("data",))
+    other = jax.sharding.Mesh(test_devices.devices(4), ("data",))
     assert backends.target_mesh(other) is other  # another shape: untouched
   with mosaic.lowering_mode("v5p"):
     assert pltpu.get_tpu_info().generation == 5

@@ -9,11 +9,14 @@ keeps `check_vma=False`.
 import jax
 import numpy as np
 
+from tests import devices as test_devices
+
 T = 64  # shards of 32, 16 and 8 tokens for 2, 4 and 8 ranks
 
 
 def mesh(num_ranks, names=("context",), shape=None):
-  devices = np.array(jax.devices()[:int(np.prod(shape or (num_ranks,)))])
+  devices = np.array(test_devices.devices(int(np.prod(shape
+                                                        or (num_ranks,)))))
   return jax.sharding.Mesh(devices.reshape(shape or (num_ranks,)), names)
 
 
