@@ -19,7 +19,6 @@ TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
 
 # A run's status, from its metrics (`run_status`).
 SOLVED, PLATEAUED, RISING = "solved", "plateaued", "rising at cap"
-STATUSES = (SOLVED, PLATEAUED, RISING)
 # "plateaued": over the last PLATEAU_WINDOW steps trained at >= half the
 # peak rate, and over the run's last PLATEAU_WINDOW steps, the least-squares
 # slope of held-out accuracy is below PLATEAU_RISE per 100 steps (0.5
@@ -28,6 +27,20 @@ STATUSES = (SOLVED, PLATEAUED, RISING)
 # windows are one.
 PLATEAU_WINDOW = 300
 PLATEAU_RISE = 0.005
+# The held-out loss rule (`train.status_rule="loss"`, the language model):
+# CONVERGED once the held-out loss, in bits (bits per byte on a byte
+# corpus), falls by less than CONVERGE_FALL over the last CONVERGE_FRACTION
+# of the steps, after at least CONVERGE_MIN_STEPS; FALLING ("falling at
+# cap") until then (`loss_status`).
+CONVERGED, FALLING = "converged", "falling at cap"
+CONVERGE_FRACTION = 0.1
+CONVERGE_FALL = 0.005
+CONVERGE_MIN_STEPS = 2000
+# Every status, and those of a run still learning at its cap (a sweep
+# extends these: experiments/sweep_lib.py).
+STATUSES = (SOLVED, PLATEAUED, RISING, CONVERGED, FALLING)
+LEARNING = (RISING, FALLING)
+STATUS_RULES = ("accuracy", "loss")  # train.status_rule
 # `pause_seconds`: a logging window slower per step than this many times its
 # run's median is a pause (a stopped or starved process), not training.
 PAUSE_FACTOR = 10.0
@@ -126,8 +139,12 @@ def steps_to_accuracy(evals, target: float = TARGET_ACCURACY) -> int | None:
 
 
 def run_status(records: Sequence[dict[str, Any]],
-               target: float = TARGET_ACCURACY) -> str:
-  """SOLVED, PLATEAUED or RISING ("rising at cap") from a run's metrics.
+               target: float = TARGET_ACCURACY, *,
+               rule: str = "accuracy") -> str:
+  """A run's status from its metrics, by `rule` (`train.status_rule`).
+
+  "loss": CONVERGED or FALLING, from the held-out loss (`loss_status`).
+  "accuracy": SOLVED, PLATEAUED or RISING ("rising at cap"), below.
 
   SOLVED: some held-out accuracy >= `target`. PLATEAUED: the held-out
   accuracy rose less than PLATEAU_RISE per 100 steps (least squares) over
@@ -137,6 +154,11 @@ def run_status(records: Sequence[dict[str, Any]],
   rate was high that was still rising when it stopped. RISING: anything
   else, including a run too short to hold such a window.
   """
+  if rule not in STATUS_RULES:
+    raise ValueError(f"train.status_rule must be one of {STATUS_RULES}; got"
+                     f" {rule!r}.")
+  if rule == "loss":
+    return loss_status(records)
   evals = [r for r in records if r["split"] == "eval"]
   if any(r["accuracy"] >= target for r in evals):
     return SOLVED
@@ -162,6 +184,58 @@ def run_status(records: Sequence[dict[str, Any]],
     if 100 * np.polyfit(steps, accs, 1)[0] >= PLATEAU_RISE:
       return RISING
   return PLATEAUED
+
+
+def _window_change(evals: Sequence[dict[str, Any]], key: str,
+                   fraction: float) -> tuple[float, float] | None:
+  """How `key` of the held-out records changed over the run's last
+  `fraction` of steps, by two measures, or None when there are too few
+  evaluations to tell (fewer than 3 in either window below).
+
+  With S the last evaluated step, the last window holds the evaluations at
+  steps >= (1 - fraction) S and the window before it those in
+  [(1 - 2 fraction) S, (1 - fraction) S). Returns (fitted, best):
+  `fitted`, the change of the least-squares line through the last window
+  from its first step to S; `best`, the highest value of the last window
+  minus the highest of the one before. (Negate `key`'s values to read a
+  fall of a loss as a rise.)
+  """
+  if not evals:
+    return None
+  last = evals[-1]["step"]
+  start, before = (1 - fraction) * last, (1 - 2 * fraction) * last
+  window = [r for r in evals if r["step"] >= start]
+  previous = [r for r in evals if before <= r["step"] < start]
+  if len(window) < 3 or len(previous) < 3:
+    return None
+  steps = np.array([r["step"] for r in window], float)
+  values = np.array([r[key] for r in window], float)
+  fitted = np.polyfit(steps, values, 1)[0] * (last - steps[0])
+  best = values.max() - max(r[key] for r in previous)
+  return float(fitted), float(best)
+
+
+def loss_status(records: Sequence[dict[str, Any]]) -> str:
+  """CONVERGED or FALLING ("falling at cap") from the held-out loss.
+
+  CONVERGED: the run trained at least CONVERGE_MIN_STEPS steps and its
+  held-out loss in bits (`loss / ln 2`: bits per byte on a byte corpus)
+  fell by less than CONVERGE_FALL over the last CONVERGE_FRACTION of its
+  steps by both measures of `_window_change`: the least-squares line
+  through the evaluations of that last tenth falls less than CONVERGE_FALL
+  from its start to its end, and the lowest loss of the last tenth is less
+  than CONVERGE_FALL below the lowest of the tenth before it (each window
+  needs 3 evaluations). FALLING: anything else, a run too short to tell
+  included.
+  """
+  evals = [dict(step=r["step"], minus_bits=-r["loss"] / np.log(2))
+           for r in records if r["split"] == "eval"]
+  if not evals or evals[-1]["step"] < CONVERGE_MIN_STEPS:
+    return FALLING
+  change = _window_change(evals, "minus_bits", CONVERGE_FRACTION)
+  if change is None or max(change) >= CONVERGE_FALL:
+    return FALLING
+  return CONVERGED
 
 
 def _train_windows(

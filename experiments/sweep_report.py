@@ -36,12 +36,14 @@ from experiments import tasks as tasks_lib
 from experiments import train
 
 
-def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
+def _read_run(run_dir: str, cap: int,
+              rule: str = "accuracy") -> dict[str, Any] | None:
   """The run's summary plus its eval curve, or None when not finished.
 
-  Its status (`metrics.run_status`, or "diverged"), training seconds over
-  every resume and step cap (config.json's, else `cap`) come from its
-  metrics and config, so runs written before the summary had them read the
+  Its status (`metrics.run_status` by `rule`, the config's
+  train.status_rule, or "diverged"), training seconds over every resume and
+  step cap (config.json's, else `cap`) come from its metrics and config, so
+  runs written before the summary had them, or under another rule, read the
   same way.
   """
   records = []
@@ -63,7 +65,8 @@ def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
   else:
     return None
   summary["status"] = ("diverged" if "error" in summary
-                       else metrics_lib.run_status(records))
+                       else metrics_lib.run_status(records, rule=rule))
+  summary["status_rule"] = rule
   summary["train_seconds"] = metrics_lib.train_seconds(records)
   summary["pause_seconds"] = metrics_lib.pause_seconds(records)
   stored = train.stored_config(run_dir)
@@ -137,7 +140,8 @@ def aggregate(sweep, workdir: str, *,
   found = []
   for run in runs:
     summary = _read_run(os.path.join(workdir, run.name),
-                        run.config.train.num_steps)
+                        run.config.train.num_steps,
+                        run.config.train.get("status_rule", "accuracy"))
     if summary is not None:
       found.append((run, summary))
   cells: dict[tuple, dict[float, list]] = {}
@@ -303,11 +307,11 @@ def results_markdown(results: dict[str, Any]) -> str:
         " and other configurations' runs, such as a calibration, included):"
         f" {spent['train_seconds'] / 3600:.2f} hours, of which"
         f" {spent['pause_seconds'] / 3600:.2f} in pauses.", ""]
+  rules = {run.get("status_rule", "accuracy")
+           for run in results.get("runs", ())} or {"accuracy"}
+  lines += [" ".join(STATUS_RULE_TEXT[rule] for rule in STATUS_RULE_TEXT
+                     if rule in rules), ""]
   lines += [
-      "Status of a run, from its metrics: solved (>= 99%), plateaued (held-out"
-      " accuracy rising < 0.5 points per 100 steps over the last 300 steps at"
-      " >= half the peak rate and over the run's last 300 steps), rising at"
-      " cap (anything else).", "",
       "| task | T | mixer | lr | seeds | best acc % mean [min, max] |"
       " reached 99% | steps to 99% mean [min, max] | step cap | status |"
       " chance % |",
@@ -339,6 +343,24 @@ def results_markdown(results: dict[str, Any]) -> str:
       with_params=True)
   lines += _run_lines(results.get("runs", ()))
   return "\n".join(lines) + "\n"
+
+
+# What each status rule is, in results.md (experiments/metrics.py).
+STATUS_RULE_TEXT = dict(
+    accuracy=(
+        "Status of a run, from its metrics: solved (>= 99%), plateaued"
+        " (held-out accuracy rising < 0.5 points per 100 steps over the last"
+        " 300 steps at >= half the peak rate and over the run's last 300"
+        " steps), rising at cap (anything else)."),
+    loss=(
+        "Status of a run, from its held-out loss in bits (bits per byte):"
+        f" converged (at least {metrics_lib.CONVERGE_MIN_STEPS} steps, and"
+        f" over the last {100 * metrics_lib.CONVERGE_FRACTION:g}% of its"
+        " steps both the least-squares line through the evaluations and the"
+        " lowest evaluation, against the lowest of the"
+        f" {100 * metrics_lib.CONVERGE_FRACTION:g}% before, fall by less than"
+        f" {metrics_lib.CONVERGE_FALL:g}), falling at cap (anything else)."),
+)
 
 
 def _length_lines(cells, key: str, heading: str, fmt, *,
@@ -406,7 +428,8 @@ def _overview_lines(cells) -> list[str]:
       if c["steps_to_99"] is not None and (
           c["num_reached_99"] == len(c["seeds"])):
         col += f", 99% at {c['steps_to_99']['mean']:.0f}"
-      if (c.get("statuses") or {}).get(metrics_lib.RISING):
+      if any((c.get("statuses") or {}).get(st)
+             for st in metrics_lib.LEARNING):
         col += " †"
       cols.append(col)
     chance = next(iter(by_mixer.values()))["chance_accuracy"]
@@ -521,7 +544,8 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
                     key=lambda c: c["seq_len"])
       if rows:
         rising[(task, mixer)] = [
-            metrics_lib.RISING in (c.get("statuses") or {}) for c in rows]
+            any(st in (c.get("statuses") or {}) for st in metrics_lib.LEARNING)
+            for c in rows]
         per_seed[(task, mixer)] = [
             [v for v in (c.get("best_by_seed") or {}).values()
              if v is not None] for c in rows]

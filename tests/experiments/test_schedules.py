@@ -4,6 +4,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from configs import common as config_lib
@@ -138,6 +139,43 @@ def test_run_status_reads_the_hot_part_of_the_curve():
   assert status(_records(curve, decayed)) == "rising at cap"
   # Flat in both: plateaued.
   assert status(_records([(s, 0.1) for s in steps], decayed)) == "plateaued"
+
+
+def _loss_records(bits, last=3000, every=50):
+  """Eval records of a held-out loss (nats) whose bits are `bits(step)`."""
+  return [dict(step=s, split="eval", accuracy=0.0, loss=bits(s) * np.log(2))
+          for s in range(0, last + 1, every)]
+
+
+def test_loss_status_stops_when_bits_per_byte_stop_falling():
+  status = lambda records: metrics_lib.run_status(records, rule="loss")
+  # A straight fall of 0.004 bits over the last 10% (steps 2700-3000):
+  # converged; 0.006: still falling.
+  for fall, want in ((0.004, "converged"), (0.006, "falling at cap")):
+    per_step = fall / 300
+    assert status(_loss_records(lambda s: 3.0 - per_step * s)) == want, fall
+  # Flat since step 1000 at 2.0: converged; the same curve at 1500 steps
+  # is too short (at least 2000).
+  curve = lambda s: 2.0 + 1e-3 * max(1000 - s, 0)
+  assert status(_loss_records(curve)) == "converged"
+  assert status(_loss_records(curve, last=1500)) == "falling at cap"
+  # Each measure alone keeps a run falling. A fitted line that is flat
+  # (one low evaluation mid-window), but the last 10% reaches 0.01 bits
+  # below the best of the 10% before:
+  dip = lambda s: 2.0 - 0.01 * (s == 2850)
+  assert status(_loss_records(dip)) == "falling at cap"
+  # A fitted fall of 0.008 over the last 10%, whose lowest point is still
+  # above one low evaluation of the 10% before:
+  slope = lambda s: 2.0 - 0.008 * min(max(s - 2700, 0), 300) / 300 - (
+      0.02 * (s == 2500))
+  assert status(_loss_records(slope)) == "falling at cap"
+  # Noise about a flat level (+-0.003, alternating) is no fall.
+  wiggle = lambda s: 2.0 + 0.003 * (-1) ** (s // 50)
+  assert status(_loss_records(wiggle)) == "converged"
+  # A loss that rises (overfitting) is not falling.
+  assert status(_loss_records(lambda s: 2.0 + 1e-5 * s)) == "converged"
+  with pytest.raises(ValueError, match="train.status_rule"):
+    metrics_lib.run_status([], rule="bits")
 
 
 def test_train_seconds_sums_every_logged_window():

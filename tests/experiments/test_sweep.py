@@ -131,8 +131,16 @@ def test_extend_step_continues_only_the_runs_still_rising(tmp_path):
       (flat, 4), (flat, 7), (flat, 10)]
   shutil.rmtree(os.path.join(workdir, flat))
   sweep_lib.run_sweep(sweep, workdir, only=only + "seed1")
-  write(flat, "summary.json", json.dumps(dict(summary(flat),
-                                              status="plateaued")))
+  # The status is read from the metrics by this code's rule, whatever the
+  # summary says: a flat held-out curve (1000 steps at 30%, a constant
+  # rate) is a plateau under a summary that says "rising at cap".
+  write(flat, "metrics.jsonl", "".join(
+      json.dumps(r) + "\n" for r in
+      [dict(step=s, split="train", learning_rate=3e-3, loss=1.0,
+            accuracy=0.3, steps_per_second=2.0) for s in range(10, 1001, 10)]
+      + [dict(step=s, split="eval", loss=1.0, accuracy=0.3)
+         for s in range(0, 1001, 25)]))
+  assert summary(flat)["status"] == "rising at cap"
   trained = sweep_lib.run_sweep(sweep, workdir, only=only, extend_to=10,
                                 extend_step=3)
   # 4 -> 7 -> 10, one round each; the plateaued run is left at 4.
