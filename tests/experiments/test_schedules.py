@@ -116,20 +116,33 @@ def _records(evals, rates, every=10):
   return sorted(out, key=lambda r: r["step"])
 
 
-def test_run_status_reads_the_hot_part_of_the_curve():
+def test_run_status_calls_a_run_plateaued_only_when_flat():
   flat = lambda s: 1.0
   steps = range(0, 1001, 25)
   status = metrics_lib.run_status
   assert status(_records([(s, 0.3) for s in steps], flat)) == "plateaued"
-  # +0.4 points per 100 steps: still a plateau; +0.6: rising.
-  assert status(_records([(s, 0.3 + 4e-5 * s) for s in steps],
-                         flat)) == "plateaued"
-  assert status(_records([(s, 0.3 + 6e-5 * s) for s in steps],
-                         flat)) == "rising at cap"
+  # A steady rise of 0.4 points over the last 20% (steps 800-1000): a
+  # plateau; 0.6: rising (both measures see it).
+  for rise, want in ((0.004, "plateaued"), (0.006, "rising at cap")):
+    curve = [(s, 0.3 + rise * s / 200) for s in steps]
+    assert status(_records(curve, flat)) == want, rise
+  # Each measure alone keeps a run rising. One high evaluation mid-window
+  # (the fitted line flat, the best 1 point above the window before):
+  spike = [(s, 0.3 + 0.01 * (s == 900)) for s in steps]
+  assert status(_records(spike, flat)) == "rising at cap"
+  # A fitted rise of 0.8 points over the last 20%, its best still below
+  # one high evaluation of the window before:
+  ramp = [(s, 0.3 + 0.008 * min(max(s - 800, 0), 200) / 200
+           + 0.02 * (s == 700)) for s in steps]
+  assert status(_records(ramp, flat)) == "rising at cap"
+  # The audit's case: flat by the old 300-step slope, +1 point between the
+  # best of the last 20% and the 20% before.
+  stairs = [(s, 0.3 + 0.01 * (s >= 850)) for s in steps]
+  assert status(_records(stairs, flat)) == "rising at cap"
   assert status(_records([(s, 0.99 * (s == 500)) for s in steps],
                          flat)) == "solved"
-  assert status(_records([(s, 0.3) for s in range(0, 201, 25)],
-                         flat)) == "rising at cap"  # too short to tell
+  assert status(_records([(s, 0.3) for s in range(0, 101, 25)],
+                         flat)) == "rising at cap"  # too few evaluations
   # Rising while the rate was high, flat in a low-rate tail: rising.
   decayed = lambda s: 1.0 if s <= 600 else 0.1
   curve = [(s, 0.1 + 1e-3 * min(s, 600)) for s in steps]
