@@ -80,6 +80,8 @@ def _read_run(run_dir: str, cap: int,
   summary["eval_steps"] = [r["step"] for r in evals]
   summary["eval_accuracy"] = [r["accuracy"] for r in evals]
   summary["bits_per_byte"] = _bits_per_byte(summary)
+  if summary["bits_per_byte"] is not None:  # the held-out curve, in bits
+    summary["eval_bits"] = [r["loss"] / math.log(2) for r in evals]
   return summary
 
 
@@ -222,6 +224,9 @@ def aggregate(sweep, workdir: str, *,
         best_by_seed={r.seed: s["best_eval_accuracy"] for r, s in items},
         curves={r.seed: (s["eval_steps"], s["eval_accuracy"])
                 for r, s in items},
+        bits_by_seed={r.seed: dict(s["bits_per_byte"], steps=s["steps"],
+                                   curve=(s["eval_steps"], s["eval_bits"]))
+                      for r, s in items if s.get("bits_per_byte")},
         statuses={st: n for st in metrics_lib.STATUSES + ("diverged",)
                   if (n := sum(s["status"] == st for _, s in items))},
         num_steps=max(s["num_steps"] for _, s in items),
@@ -254,6 +259,7 @@ def aggregate(sweep, workdir: str, *,
       max_steps=sweep.get("max_steps"),
       cells=records,
       comparisons=compare(records, sweep.mixers, curves),
+      bits_comparisons=compare_bits(records, sweep.mixers),
       runs=[dict(name=r.name, **{k: v for k, v in s.items()})
             for r, s in found])
   os.makedirs(workdir, exist_ok=True)
@@ -345,6 +351,72 @@ def compare(cells: Sequence[dict[str, Any]], mixers: Sequence[str],
                                     order[c["mixer"]], order[c["other"]]))
 
 
+def compare_bits(cells: Sequence[dict[str, Any]],
+                 mixers: Sequence[str]) -> list[dict[str, Any]]:
+  """Per (task, length trained, evaluation length): every pair of mixers'
+  per-seed difference of held-out bits per byte (a seed's models score
+  the same held-out bytes), with its spread across seeds.
+
+  Each record: the pair, `length`, `seeds`, `differences` (per seed, first
+  minus second), `steps` (per seed, the two runs' steps), `mean`, `sd`
+  (across seeds, ddof 1; None for one seed), `min`, `max`, and a verdict:
+  "lower in every seed" / "higher in every seed" / "mixed". The final
+  parameters' bits at each length, and, at the training length, a record
+  with `equal_steps` True: each seed's pair at the shorter run's last
+  evaluated step (the held-out curve), since a run extended while its bits
+  still fell has trained longer than one that had converged.
+  """
+  by_key = {(c["task"], c["seq_len"], c["mixer"]): c for c in cells
+            if c.get("bits_by_seed")}
+  out = []
+  for (task, seq_len, mixer), first in by_key.items():
+    if mixer not in mixers:
+      continue
+    for other in mixers[mixers.index(mixer) + 1:]:
+      second = by_key.get((task, seq_len, other))
+      if second is None:
+        continue
+      a, b = first["bits_by_seed"], second["bits_by_seed"]
+      seeds = sorted(set(a) & set(b))
+      if not seeds:
+        continue
+      lengths = sorted({n for s in seeds for n in a[s] if n.isdigit()}
+                       & {n for s in seeds for n in b[s] if n.isdigit()},
+                       key=int)
+
+      def record(length, diffs, steps, equal_steps):
+        diffs = [float(d) for d in diffs]
+        verdict = ("lower in every seed" if max(diffs) < 0 else
+                   "higher in every seed" if min(diffs) > 0 else "mixed")
+        return dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
+                    length=int(length), equal_steps=equal_steps, seeds=seeds,
+                    differences=diffs, steps=steps,
+                    mean=float(np.mean(diffs)),
+                    sd=float(np.std(diffs, ddof=1)) if len(diffs) > 1
+                    else None, min=min(diffs), max=max(diffs),
+                    verdict=verdict)
+
+      for n in lengths:
+        if not all(n in a[s] and n in b[s] for s in seeds):
+          continue
+        out.append(record(n, [a[s][n] - b[s][n] for s in seeds],
+                          [[a[s]["steps"], b[s]["steps"]] for s in seeds],
+                          False))
+      stops = [min(a[s]["curve"][0][-1], b[s]["curve"][0][-1])
+               for s in seeds]
+      at = lambda curve, step: curve[1][list(curve[0]).index(step)]
+      if all(stop in a[s]["curve"][0] and stop in b[s]["curve"][0]
+             for s, stop in zip(seeds, stops)):
+        out.append(record(
+            seq_len, [at(a[s]["curve"], st) - at(b[s]["curve"], st)
+                      for s, st in zip(seeds, stops)],
+            [[st, st] for st in stops], True))
+  order = {m: i for i, m in enumerate(mixers)}
+  return sorted(out, key=lambda c: (c["task"], c["seq_len"],
+                                    order[c["mixer"]], order[c["other"]],
+                                    c["length"], c["equal_steps"]))
+
+
 def _length_stats(summaries, key: str = "length_accuracy"
                   ) -> dict[str, dict[str, float]] | None:
   """{length: stats over seeds} of the summaries' `key` ({length: value})."""
@@ -434,6 +506,7 @@ def results_markdown(results: dict[str, Any]) -> str:
   lines += _overview_lines(results["cells"])
   lines += _comparison_lines(results.get("comparisons", ()))
   lines += _rate_lines(results.get("rates_tried", ()), results["cells"])
+  lines += _bits_comparison_lines(results.get("bits_comparisons", ()))
   lines += _length_lines(
       results["cells"], "length_accuracy", "Length generalisation: final"
       " parameters' held-out accuracy % at each length",
@@ -575,6 +648,29 @@ def _comparison_lines(comparisons) -> list[str]:
         f" {len(c['seeds'])} | " + " | ".join(eq_cols) +
         f" | {100 * d['mean']:+.1f} [{100 * d['min']:+.1f},"
         f" {100 * d['max']:+.1f}] | {c['verdict']} |")
+  return lines
+
+
+def _bits_comparison_lines(comparisons) -> list[str]:
+  if not comparisons:
+    return []
+  lines = ["", "## Per-seed differences of held-out bits per byte", "",
+           "First mixer minus second, per seed (a seed's models score the"
+           " same held-out bytes), at each evaluation length with the final"
+           " parameters, and at the training length also at equal steps"
+           " (each seed's pair at the shorter run's last evaluation). SD:"
+           " the spread of the per-seed differences across seeds.", "",
+           "| T trained | pair | length | steps per seed | difference per"
+           " seed | mean | SD | verdict |", "|---|---|---|---|---|---|---|---|"]
+  for c in comparisons:
+    steps = " / ".join(f"{x}" if x == y else f"{x}, {y}"
+                       for x, y in c["steps"])
+    sd = "-" if c["sd"] is None else f"{c['sd']:.3f}"
+    lines.append(
+        f"| {c['seq_len']} | {c['mixer']} - {c['other']} |"
+        f" {c['length']}{' (equal steps)' if c['equal_steps'] else ''} |"
+        f" {steps} | " + " / ".join(f"{d:+.3f}" for d in c["differences"])
+        + f" | {c['mean']:+.3f} | {sd} | {c['verdict']} |")
   return lines
 
 

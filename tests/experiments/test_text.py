@@ -278,3 +278,43 @@ def test_bits_per_byte_at_each_length_match_a_hand_computation(tmp_path):
     bits = nll[keep].mean() / np.log(2)
     np.testing.assert_allclose(got[str(seq_len)] / np.log(2), bits,
                                rtol=1e-5)
+
+
+def test_bits_per_byte_compare_per_seed_with_their_spread():
+  import statistics
+  from experiments import sweep_report
+
+  def cell(mixer, bits, steps, curves):
+    return dict(task="text", seq_len=256, mixer=mixer, bits_by_seed={
+        s: {"256": b256, "1024": b1024, "steps": n, "curve": curve}
+        for s, (b256, b1024), n, curve in zip(range(3), bits, steps,
+                                              curves)})
+  # kda converged at 2000 steps in seed 0; gdn went on to 3000 there.
+  kda = cell("kda", [(2.0, 1.9), (2.1, 2.0), (2.05, 1.95)],
+             [2000, 3000, 3000],
+             [([1900, 2000], [2.01, 2.0]), ([2900, 3000], [2.12, 2.1]),
+              ([2900, 3000], [2.06, 2.05])])
+  gdn = cell("gdn", [(1.95, 1.92), (2.15, 2.04), (2.08, 1.99)],
+             [3000, 3000, 3000],
+             [([2000, 3000], [2.03, 1.95]), ([2900, 3000], [2.16, 2.15]),
+              ([2900, 3000], [2.09, 2.08])])
+  out = sweep_report.compare_bits([kda, gdn], ("kda", "gdn"))
+  by = {(c["length"], c["equal_steps"]): c for c in out}
+  assert sorted(by) == [(256, False), (256, True), (1024, False)]
+  final = by[(256, False)]
+  want = [2.0 - 1.95, 2.1 - 2.15, 2.05 - 2.08]
+  np.testing.assert_allclose(final["differences"], want)
+  assert final["mean"] == pytest.approx(statistics.mean(want))
+  assert final["sd"] == pytest.approx(statistics.stdev(want))
+  assert final["verdict"] == "mixed"
+  assert final["steps"] == [[2000, 3000], [3000, 3000], [3000, 3000]]
+  # At equal steps seed 0 compares gdn at kda's 2000: 2.0 - 2.03.
+  equal = by[(256, True)]
+  np.testing.assert_allclose(equal["differences"],
+                             [2.0 - 2.03, 2.1 - 2.15, 2.05 - 2.08])
+  assert equal["verdict"] == "lower in every seed"
+  assert by[(1024, False)]["verdict"] == "lower in every seed"
+  lines = sweep_report._bits_comparison_lines(out)
+  assert lines[-2] == ("| 256 | kda - gdn | 256 (equal steps) | 2000 / 3000"
+                       " / 3000 | -0.030 / -0.050 / -0.030 | -0.037 |"
+                       " 0.012 | lower in every seed |")
