@@ -91,6 +91,16 @@ def train_config(**overrides):
       # final parameters at each of these sequence lengths (task.seq_len
       # replaced; summary.json `length_accuracy`). () for none.
       eval_lengths=(),
+      # Score only the last this many positions of every held-out window,
+      # at the training length and at each of eval_lengths, all windows cut
+      # from one draw at the longest length so that each length scores the
+      # same targets with more context in front (a stream task: text).
+      # None: each length draws its own windows and scores every position.
+      eval_score_last=config_dict.placeholder(int),
+      # How a run's status is read from its metrics (experiments/metrics.py
+      # run_status): "accuracy" (solved, plateaued, rising at cap) or
+      # "loss" (converged, falling at cap: the held-out loss in bits).
+      status_rule="accuracy",
       # Length curriculum: ((steps, seq_len), ...) stages trained before the
       # task's own length (task.seq_len replaced), each step holding the same
       # tokens (batch_size * task.seq_len // seq_len sequences); held-out

@@ -7,7 +7,13 @@ to one global softmax-attention layer without positional encoding
 standard library, one token a byte (experiments/tasks/text.py); held-out
 bits per byte are measured at the training length and at 2x to 16x it
 (`train.eval_lengths`: the same parameters on longer windows of held-out
-files).
+files), every length scoring the same final 256 bytes of each window
+(`train.eval_score_last`: the longer windows put more context in front).
+Training: AdamW at a constant 1e-3 after 100 warm-up steps, 2000 steps of
+16 x 256 bytes; the run's status reads its held-out bits per byte
+(`train.status_rule="loss"`: converged once they fall by less than 0.005
+over the last 10% of the steps), and a constant rate lets a sweep extend a
+run still falling exactly as a longer run would (configs/sweeps/text.py).
 
   python run_experiment.py --config=configs/text.py --workdir=workdirs/text
   python -m experiments.generate --workdir=workdirs/text \
@@ -24,6 +30,9 @@ from configs import common as config_lib
 
 SEQ_LEN = 256
 EVAL_LENGTHS = (512, 1024, 2048, 4096)  # 2x .. 16x the training length
+# The first pass; a sweep extends the runs whose held-out bits per byte are
+# still falling (configs/sweeps/text.py).
+NUM_STEPS = 2000
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -41,9 +50,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       mlp_hidden=384, num_heads=2, head_dim=64, conv_size=4)
   config.model.attention.rope = False  # Kimi Linear's global layers: NoPE
   config.train = config_lib.train_config(
-      num_steps=800, batch_size=16, learning_rate=1e-3, warmup_steps=100,
-      schedule="cosine", eval_every=100, eval_batches=8, eval_batch_size=16,
-      checkpoint_every=200, eval_lengths=EVAL_LENGTHS)
+      num_steps=NUM_STEPS, batch_size=16, learning_rate=1e-3,
+      warmup_steps=100, schedule="constant", eval_every=50, eval_batches=8,
+      eval_batch_size=16, checkpoint_every=200, eval_lengths=EVAL_LENGTHS,
+      eval_score_last=SEQ_LEN, status_rule="loss")
   config.mesh = config_lib.mesh_config()
   if arg == "smoke":
     config.task.seq_len = 32
@@ -54,6 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train = config_lib.train_config(
         num_steps=4, batch_size=4, warmup_steps=1, log_every=1, eval_every=2,
         eval_batches=1, eval_batch_size=4, checkpoint_every=2,
-        eval_lengths=(64,))
+        eval_lengths=(64,), eval_score_last=32, schedule="constant",
+        status_rule="loss")
   config.lock()
   return config

@@ -19,15 +19,29 @@ TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
 
 # A run's status, from its metrics (`run_status`).
 SOLVED, PLATEAUED, RISING = "solved", "plateaued", "rising at cap"
-STATUSES = (SOLVED, PLATEAUED, RISING)
-# "plateaued": over the last PLATEAU_WINDOW steps trained at >= half the
-# peak rate, and over the run's last PLATEAU_WINDOW steps, the least-squares
-# slope of held-out accuracy is below PLATEAU_RISE per 100 steps (0.5
-# points). 300 steps hold 12 evaluations at the sweeps' eval_every of 25,
-# enough to see a rise through eval noise. Under a constant rate the two
-# windows are one.
-PLATEAU_WINDOW = 300
-PLATEAU_RISE = 0.005
+# "plateaued" (`run_status`): over the last PLATEAU_FRACTION of the run's
+# steps, held-out accuracy rose by less than PLATEAU_GAIN (0.5 points) by
+# two measures: the best evaluation against the best of the PLATEAU_FRACTION
+# before, and the least-squares line through the last PLATEAU_FRACTION; so
+# too at the end of the part trained at >= half the peak rate, where a
+# schedule decays. At the sweeps' eval_every of 25, 1000 steps put 9 and 8
+# evaluations in the two windows.
+PLATEAU_FRACTION = 0.2
+PLATEAU_GAIN = 0.005
+# The held-out loss rule (`train.status_rule="loss"`, the language model):
+# CONVERGED once the held-out loss, in bits (bits per byte on a byte
+# corpus), falls by less than CONVERGE_FALL over the last CONVERGE_FRACTION
+# of the steps, after at least CONVERGE_MIN_STEPS; FALLING ("falling at
+# cap") until then (`loss_status`).
+CONVERGED, FALLING = "converged", "falling at cap"
+CONVERGE_FRACTION = 0.1
+CONVERGE_FALL = 0.005
+CONVERGE_MIN_STEPS = 2000
+# Every status, and those of a run still learning at its cap (a sweep
+# extends these: experiments/sweep_lib.py).
+STATUSES = (SOLVED, PLATEAUED, RISING, CONVERGED, FALLING)
+LEARNING = (RISING, FALLING)
+STATUS_RULES = ("accuracy", "loss")  # train.status_rule
 # `pause_seconds`: a logging window slower per step than this many times its
 # run's median is a pause (a stopped or starved process), not training.
 PAUSE_FACTOR = 10.0
@@ -126,42 +140,106 @@ def steps_to_accuracy(evals, target: float = TARGET_ACCURACY) -> int | None:
 
 
 def run_status(records: Sequence[dict[str, Any]],
-               target: float = TARGET_ACCURACY) -> str:
-  """SOLVED, PLATEAUED or RISING ("rising at cap") from a run's metrics.
+               target: float = TARGET_ACCURACY, *,
+               rule: str = "accuracy") -> str:
+  """A run's status from its metrics, by `rule` (`train.status_rule`).
 
-  SOLVED: some held-out accuracy >= `target`. PLATEAUED: the held-out
-  accuracy rose less than PLATEAU_RISE per 100 steps (least squares) over
-  the last PLATEAU_WINDOW steps trained at >= half the peak learning rate,
-  so a cosine schedule's low-rate tail cannot pass for a plateau, and over
-  the run's last PLATEAU_WINDOW steps, so neither can a run flat while the
-  rate was high that was still rising when it stopped. RISING: anything
-  else, including a run too short to hold such a window.
+  "loss": CONVERGED or FALLING, from the held-out loss (`loss_status`).
+  "accuracy": SOLVED, PLATEAUED or RISING ("rising at cap"), below.
+
+  SOLVED: some held-out accuracy >= `target`.
+
+  PLATEAUED: flat at the end, by two measures (`_window_change`). With S
+  the last evaluated step, the last window holds the evaluations at steps
+  >= 0.8 S (PLATEAU_FRACTION) and the window before it those in
+  [0.6 S, 0.8 S); each needs 3 evaluations. The run is flat when the best
+  held-out accuracy of the last window is less than PLATEAU_GAIN (0.5
+  points) above the best of the window before, and the least-squares line
+  through the last window rises less than PLATEAU_GAIN from its first step
+  to S. Both must hold, at the run's end and at the end of the part
+  trained at >= half the peak learning rate (the same windows, as
+  fractions of the last step evaluated by then): a decaying schedule's
+  low-rate tail cannot pass for a plateau, nor can a run flat while the
+  rate was high that was still rising when it stopped. Under a constant
+  rate the two are one.
+
+  RISING ("rising at cap"): anything else, a run too short to tell
+  included.
   """
+  if rule not in STATUS_RULES:
+    raise ValueError(f"train.status_rule must be one of {STATUS_RULES}; got"
+                     f" {rule!r}.")
+  if rule == "loss":
+    return loss_status(records)
   evals = [r for r in records if r["split"] == "eval"]
   if any(r["accuracy"] >= target for r in evals):
     return SOLVED
   rates = [(r["step"], r["learning_rate"]) for r in records
            if r["split"] == "train" and r.get("learning_rate") is not None]
-  if not rates:
+  if not rates or not evals:
     return RISING
   peak = max(lr for _, lr in rates)
-  hot = [step for step, lr in rates if lr >= 0.5 * peak]
-  end = max(hot)
-  # The rate is logged every log interval: the window is hot if its start
-  # lies within one interval of the first hot record.
-  interval = min(np.diff([step for step, _ in rates]), default=0)
-  if min(hot) > end - PLATEAU_WINDOW + interval:
-    return RISING
-  last = evals[-1]["step"]
-  for stop in sorted({end, last}):
-    window = [r for r in evals if stop - PLATEAU_WINDOW <= r["step"] <= stop]
-    if len(window) < 3:
+  hot_end = max(step for step, lr in rates if lr >= 0.5 * peak)
+  for stop in sorted({hot_end, evals[-1]["step"]}):
+    upto = [r for r in evals if r["step"] <= stop]
+    if not upto:
       return RISING
-    steps = np.array([r["step"] for r in window], float)
-    accs = np.array([r["accuracy"] for r in window], float)
-    if 100 * np.polyfit(steps, accs, 1)[0] >= PLATEAU_RISE:
+    change = _window_change(upto, "accuracy", PLATEAU_FRACTION)
+    if change is None or max(change) >= PLATEAU_GAIN:
       return RISING
   return PLATEAUED
+
+
+def _window_change(evals: Sequence[dict[str, Any]], key: str,
+                   fraction: float) -> tuple[float, float] | None:
+  """How `key` of the held-out records changed over the run's last
+  `fraction` of steps, by two measures, or None when there are too few
+  evaluations to tell (fewer than 3 in either window below).
+
+  With S the last evaluated step, the last window holds the evaluations at
+  steps >= (1 - fraction) S and the window before it those in
+  [(1 - 2 fraction) S, (1 - fraction) S). Returns (fitted, best):
+  `fitted`, the change of the least-squares line through the last window
+  from its first step to S; `best`, the highest value of the last window
+  minus the highest of the one before. (Negate `key`'s values to read a
+  fall of a loss as a rise.)
+  """
+  if not evals:
+    return None
+  last = evals[-1]["step"]
+  start, before = (1 - fraction) * last, (1 - 2 * fraction) * last
+  window = [r for r in evals if r["step"] >= start]
+  previous = [r for r in evals if before <= r["step"] < start]
+  if len(window) < 3 or len(previous) < 3:
+    return None
+  steps = np.array([r["step"] for r in window], float)
+  values = np.array([r[key] for r in window], float)
+  fitted = np.polyfit(steps, values, 1)[0] * (last - steps[0])
+  best = values.max() - max(r[key] for r in previous)
+  return float(fitted), float(best)
+
+
+def loss_status(records: Sequence[dict[str, Any]]) -> str:
+  """CONVERGED or FALLING ("falling at cap") from the held-out loss.
+
+  CONVERGED: the run trained at least CONVERGE_MIN_STEPS steps and its
+  held-out loss in bits (`loss / ln 2`: bits per byte on a byte corpus)
+  fell by less than CONVERGE_FALL over the last CONVERGE_FRACTION of its
+  steps by both measures of `_window_change`: the least-squares line
+  through the evaluations of that last tenth falls less than CONVERGE_FALL
+  from its start to its end, and the lowest loss of the last tenth is less
+  than CONVERGE_FALL below the lowest of the tenth before it (each window
+  needs 3 evaluations). FALLING: anything else, a run too short to tell
+  included.
+  """
+  evals = [dict(step=r["step"], minus_bits=-r["loss"] / np.log(2))
+           for r in records if r["split"] == "eval"]
+  if not evals or evals[-1]["step"] < CONVERGE_MIN_STEPS:
+    return FALLING
+  change = _window_change(evals, "minus_bits", CONVERGE_FRACTION)
+  if change is None or max(change) >= CONVERGE_FALL:
+    return FALLING
+  return CONVERGED
 
 
 def _train_windows(

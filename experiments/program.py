@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from experiments import distributed
+from experiments import metrics as metrics_lib
 from experiments import model as model_lib
 from experiments import tasks as tasks_lib
 from linear_attention.ops.kda import api as kda_api
@@ -89,6 +90,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
          "a tuple of ints >= 1", lengths)
   _check("train.eval_lengths", not lengths or "seq_len" in config.task,
          "empty for a task without a seq_len field", lengths)
+  rule = tr.get("status_rule", "accuracy")
+  _check("train.status_rule", rule in metrics_lib.STATUS_RULES,
+         f"one of {metrics_lib.STATUS_RULES}", rule)
+  _check_score_last(config)
   _check("mesh", "mesh" in config, "a section of the config", None)
   for field in ("data", "context"):
     value = config.mesh[field]
@@ -107,6 +112,23 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(
           "model.kda.context_axis must be None: mesh.context sets it; got"
           f" {config.model.kda.context_axis!r}.")
+
+
+def _check_score_last(config) -> None:
+  """The checks of `train.eval_score_last` (see configs/common.py)."""
+  tr = config.train
+  score_last = tr.get("eval_score_last")
+  if score_last is None:
+    return
+  name = "train.eval_score_last"
+  task = tasks_lib.TASKS.get(config.task.get("name"))
+  _check(name, callable(getattr(task, "cut", None)), "None for a task whose"
+         " windows cannot be cut shorter (only a stream task such as text"
+         " has `cut`)", score_last)
+  shortest = min([config.task.seq_len, *tr.get("eval_lengths", ())])
+  _check(name, _is_int(score_last) and 1 <= score_last <= shortest,
+         f"None or an int in [1, {shortest}] (task.seq_len and every"
+         " train.eval_lengths are at least that long)", score_last)
 
 
 def _check_curriculum(config) -> None:

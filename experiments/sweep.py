@@ -12,9 +12,10 @@ results.md, results.json and the figures when it has nothing left to train.
 `--extend_to=N` raises the step cap of the selected runs to N: every one
 that did not reach its stop_at_accuracy continues from its checkpoint (a
 "constant" or "wsd" schedule only; the steps it trained are the longer
-run's). With `--extend_step=S` too, only the runs still rising at their cap
-(`metrics.run_status`) continue, S steps at a time, each until it is
-solved, plateaued or at N: the compute goes where runs still learn.
+run's). With `--extend_step=S` too, only the runs still learning at their
+cap (`metrics.run_status`: rising at cap, or under the loss rule falling at
+cap) continue, S steps at a time, each until it is solved, plateaued (or
+converged) or at N: the compute goes where runs still learn.
 `--list` prints the runs, whether each is done, and where each started one
 stands (step, held-out accuracy, status: `sweep_lib.progress`).
 `--recall` trains nothing: it bins the held-out accuracy of every finished

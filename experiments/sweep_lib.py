@@ -246,9 +246,11 @@ def extend_rising(runs: Sequence[Run], workdir: str, step: int,
   """The runs, with the step cap of those still learning raised by `step`
   (to at most `max_steps`): a sweep's steps go where its runs still learn.
 
-  A run finished "rising at cap" (its summary's status, `metrics.run_status`
-  of its metrics) below `max_steps` gets train.num_steps = min(steps +
-  `step`, `max_steps`); a run whose config.json asks for more steps than its
+  A run finished still learning at its cap (`metrics.LEARNING`: "rising at
+  cap", or "falling at cap" under the loss rule), read from its metrics by
+  `metrics.run_status` with its config's `train.status_rule` (the rule of
+  this code, not the one its summary was written with), below `max_steps`
+  gets train.num_steps = min(steps + `step`, `max_steps`); a run whose config.json asks for more steps than its
   summary holds (an extension killed before it finished) gets that cap back;
   every other run (solved, plateaued, diverged, unfinished, at `max_steps`)
   is returned as given. Run repeatedly (`run_sweep`'s `extend_step`), a run
@@ -272,15 +274,17 @@ def extend_rising(runs: Sequence[Run], workdir: str, step: int,
     steps = summary["steps"]
     status = summary.get("status")
     records = os.path.join(run_dir, "metrics.jsonl")
-    if status is None and os.path.exists(records):  # a summary before it
-      status = metrics_lib.run_status(metrics_lib.read_records(records))
+    if os.path.exists(records):
+      status = metrics_lib.run_status(
+          metrics_lib.read_records(records),
+          rule=run.config.train.get("status_rule", "accuracy"))
     stop_at = run.config.train.stop_at_accuracy
     best = summary.get("best_eval_accuracy")
     if stop_at is not None and best is not None and best >= stop_at:
       target = None
     elif asked > steps:  # an extension killed before it finished
       target = asked
-    elif status == metrics_lib.RISING and steps < max_steps:
+    elif status in metrics_lib.LEARNING and steps < max_steps:
       target = min(steps + step, max_steps)
     else:
       target = None
@@ -342,8 +346,9 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
   With `extend_to`, a run's step cap is raised to at least that many steps
   (`extend`), so every selected run that did not reach its
   stop_at_accuracy continues to it. With `extend_step` too, only the runs
-  still rising at their cap continue, `extend_step` steps at a time
-  (`extend_rising`), until each is solved, plateaued or at `extend_to`;
+  still learning at their cap (rising, or with the loss rule falling)
+  continue, `extend_step` steps at a time (`extend_rising`), until each is
+  solved, plateaued (or converged) or at `extend_to`;
   the runs not yet trained to their sweep's cap train to it first.
 
   A run whose training fails with non-finite gradients is recorded as

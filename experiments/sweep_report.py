@@ -4,8 +4,12 @@
 record per cell), `results.md` (one row per (task, length, mixer): mean, min
 and max over seeds of the best held-out accuracy and of the steps to 99%,
 the runs' statuses (`metrics.run_status`: solved, plateaued or rising at
-cap); per cell, the first mixer's per-seed difference from each other one
-with a verdict (`compare`); one row per run;
+cap, or by the loss rule converged or falling at cap); per cell, every
+pair of mixers' per-seed difference with a verdict, at equal steps (each
+seed's pair at the shorter run's length) beside the runs as trained
+(`compare`); the learning rates every run directory tried, per length and
+seed (`rates_tried`); the runs still learning below the sweep's
+`max_steps`, if it has one; one row per run;
 with `train.eval_lengths`, a second table of the final parameters' accuracy
 at each evaluation length, and `length_generalisation.png`; on a byte
 corpus (`text`), a table of held-out bits per byte at the training length
@@ -36,12 +40,14 @@ from experiments import tasks as tasks_lib
 from experiments import train
 
 
-def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
+def _read_run(run_dir: str, cap: int,
+              rule: str = "accuracy") -> dict[str, Any] | None:
   """The run's summary plus its eval curve, or None when not finished.
 
-  Its status (`metrics.run_status`, or "diverged"), training seconds over
-  every resume and step cap (config.json's, else `cap`) come from its
-  metrics and config, so runs written before the summary had them read the
+  Its status (`metrics.run_status` by `rule`, the config's
+  train.status_rule, or "diverged"), training seconds over every resume and
+  step cap (config.json's, else `cap`) come from its metrics and config, so
+  runs written before the summary had them, or under another rule, read the
   same way.
   """
   records = []
@@ -63,7 +69,8 @@ def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
   else:
     return None
   summary["status"] = ("diverged" if "error" in summary
-                       else metrics_lib.run_status(records))
+                       else metrics_lib.run_status(records, rule=rule))
+  summary["status_rule"] = rule
   summary["train_seconds"] = metrics_lib.train_seconds(records)
   summary["pause_seconds"] = metrics_lib.pause_seconds(records)
   stored = train.stored_config(run_dir)
@@ -73,6 +80,8 @@ def _read_run(run_dir: str, cap: int) -> dict[str, Any] | None:
   summary["eval_steps"] = [r["step"] for r in evals]
   summary["eval_accuracy"] = [r["accuracy"] for r in evals]
   summary["bits_per_byte"] = _bits_per_byte(summary)
+  if summary["bits_per_byte"] is not None:  # the held-out curve, in bits
+    summary["eval_bits"] = [r["loss"] / math.log(2) for r in evals]
   return summary
 
 
@@ -118,6 +127,55 @@ def workdir_compute(workdir: str) -> dict[str, float]:
   return out
 
 
+def rates_tried(workdir: str, mixers: Sequence[str]
+                ) -> list[dict[str, Any]]:
+  """Which learning rates every run directory in `workdir` tried, per
+  (task, mixer, length) and seed: a calibration's or a check's runs beside
+  the protocol's, so a table can say where a rate was tuned and where not.
+
+  One record per (task, mixer) of `mixers`: `lengths` maps T to a list of
+  groups, one per seed with several rates (`rates`, `seeds` [that seed],
+  `steps`: the shortest of those runs' last evaluated steps, `best`: each
+  rate's best held-out accuracy up to there) and one for the seeds that
+  tried one rate only (`steps`, `best` None).
+  """
+  found: dict[tuple, dict[int, dict[float, tuple]]] = {}
+  for path in sorted(glob.glob(os.path.join(workdir, "*", "*",
+                                            "metrics.jsonl"))):
+    cell, run = path.split(os.sep)[-3:-1]
+    if "_T" not in cell or "_seed" not in run or "_lr" not in run:
+      continue
+    task, seq_len = cell.rsplit("_T", 1)
+    mixer, rest = run.rsplit("_seed", 1)
+    seed, lr = rest.split("_lr", 1)
+    if mixer not in mixers:
+      continue
+    evals = [r for r in metrics_lib.read_records(path) if r["split"] == "eval"]
+    if not evals:
+      continue
+    curve = ([r["step"] for r in evals], [r["accuracy"] for r in evals])
+    found.setdefault((task, int(seq_len), mixer), {}).setdefault(
+        int(seed), {})[float(lr)] = curve
+  out: dict[tuple, dict[str, Any]] = {}
+  for (task, seq_len, mixer), by_seed in sorted(found.items()):
+    groups, single = [], {}
+    for seed, by_lr in sorted(by_seed.items()):
+      if len(by_lr) == 1:
+        single.setdefault(next(iter(by_lr)), []).append(seed)
+        continue
+      steps = min(c[0][-1] for c in by_lr.values())
+      rates = sorted(by_lr)
+      groups.append(dict(seeds=[seed], rates=rates, steps=steps,
+                         best=[best_up_to(by_lr[lr], steps) for lr in rates]))
+    for lr, seeds in sorted(single.items()):
+      groups.append(dict(seeds=seeds, rates=[lr], steps=None, best=None))
+    record = out.setdefault((task, mixer), dict(task=task, mixer=mixer,
+                                                lengths={}))
+    record["lengths"][seq_len] = groups
+  order = {m: i for i, m in enumerate(mixers)}
+  return sorted(out.values(), key=lambda r: (r["task"], order[r["mixer"]]))
+
+
 def _stats(values: Sequence[float]) -> dict[str, float] | None:
   if not values:
     return None
@@ -137,7 +195,8 @@ def aggregate(sweep, workdir: str, *,
   found = []
   for run in runs:
     summary = _read_run(os.path.join(workdir, run.name),
-                        run.config.train.num_steps)
+                        run.config.train.num_steps,
+                        run.config.train.get("status_rule", "accuracy"))
     if summary is not None:
       found.append((run, summary))
   cells: dict[tuple, dict[float, list]] = {}
@@ -163,6 +222,11 @@ def aggregate(sweep, workdir: str, *,
         chance_accuracy=next((s.get("chance_accuracy") for _, s in items
                               if s.get("chance_accuracy") is not None), None),
         best_by_seed={r.seed: s["best_eval_accuracy"] for r, s in items},
+        curves={r.seed: (s["eval_steps"], s["eval_accuracy"])
+                for r, s in items},
+        bits_by_seed={r.seed: dict(s["bits_per_byte"], steps=s["steps"],
+                                   curve=(s["eval_steps"], s["eval_bits"]))
+                      for r, s in items if s.get("bits_per_byte")},
         statuses={st: n for st in metrics_lib.STATUSES + ("diverged",)
                   if (n := sum(s["status"] == st for _, s in items))},
         num_steps=max(s["num_steps"] for _, s in items),
@@ -178,6 +242,8 @@ def aggregate(sweep, workdir: str, *,
                                   if (b := baseline_accuracy(r.config))
                                   is not None]),
     ))
+  curves = {(r["task"], r["seq_len"], r["mixer"], seed): curve
+            for r in records for seed, curve in r.pop("curves").items()}
   order = {m: i for i, m in enumerate(
       list(sweep.mixers) + [sweep.get("ablation", {}).get("mixer")])}
   records.sort(key=lambda r: (r["task"], r["seq_len"], order.get(r["mixer"],
@@ -189,8 +255,11 @@ def aggregate(sweep, workdir: str, *,
       train_seconds=float(sum(s["train_seconds"] for _, s in found)),
       pause_seconds=float(sum(s["pause_seconds"] for _, s in found)),
       workdir_compute=workdir_compute(workdir),
+      rates_tried=rates_tried(workdir, sweep.mixers),
+      max_steps=sweep.get("max_steps"),
       cells=records,
-      comparisons=compare(records, sweep.mixers),
+      comparisons=compare(records, sweep.mixers, curves),
+      bits_comparisons=compare_bits(records, sweep.mixers),
       runs=[dict(name=r.name, **{k: v for k, v in s.items()})
             for r, s in found])
   os.makedirs(workdir, exist_ok=True)
@@ -210,44 +279,142 @@ def aggregate(sweep, workdir: str, *,
 TIE_MARGIN = 0.01
 
 
-def compare(cells: Sequence[dict[str, Any]],
-            mixers: Sequence[str]) -> list[dict[str, Any]]:
-  """Per (task, length): the first mixer against each other one, by seed.
+def _verdict(a: Sequence[float], b: Sequence[float]) -> str:
+  """The order of two mixers from their per-seed accuracies `a` and `b`."""
+  diff = [x - y for x, y in zip(a, b)]
+  if min(list(a) + list(b)) >= metrics_lib.TARGET_ACCURACY:
+    return "both solve in every seed"
+  if min(diff) > TIE_MARGIN:
+    return "ahead in every seed"
+  if max(diff) < -TIE_MARGIN:
+    return "behind in every seed"
+  if max(abs(d) for d in diff) <= TIE_MARGIN:
+    return f"within {100 * TIE_MARGIN:g} point in every seed"
+  return "mixed"
+
+
+def best_up_to(curve: tuple[Sequence[int], Sequence[float]],
+               step: int) -> float:
+  """The best held-out accuracy of an eval curve (steps, accuracies) at
+  steps <= `step`."""
+  steps, accs = curve
+  return max(a for s, a in zip(steps, accs) if s <= step)
+
+
+def compare(cells: Sequence[dict[str, Any]], mixers: Sequence[str],
+            curves: dict[tuple, tuple] | None = None
+            ) -> list[dict[str, Any]]:
+  """Per (task, length): every pair of mixers (in `mixers`' order), by seed.
 
   The per-seed difference of best held-out accuracy (the seeds both have),
   its mean, min and max, and a verdict: "ahead in every seed" / "behind in
   every seed" (by more than TIE_MARGIN in each), "within 1 point in every
   seed", "both solve in every seed" (then steps to 99% tell them apart), or
-  "mixed".
+  "mixed". With `curves` ({(task, seq_len, mixer, seed): (eval steps,
+  accuracies)}), also `equal_steps`: the same at equal budgets, each
+  seed's pair compared at the shorter run's last evaluated step (each
+  run's best up to there; `steps`: that step per seed), since a run
+  extended while still rising has had more steps than one that stopped.
   """
   by_key = {(c["task"], c["seq_len"], c["mixer"]): c for c in cells}
   out = []
   for (task, seq_len, mixer), first in by_key.items():
-    if mixer != mixers[0]:
+    if mixer not in mixers:
       continue
-    for other in mixers[1:]:
+    for other in mixers[mixers.index(mixer) + 1:]:
       second = by_key.get((task, seq_len, other))
       if second is None:
         continue
       seeds = sorted(set(first["best_by_seed"]) & set(second["best_by_seed"]))
       a = [first["best_by_seed"][s] or 0.0 for s in seeds]
       b = [second["best_by_seed"][s] or 0.0 for s in seeds]
-      diff = [x - y for x, y in zip(a, b)]
-      if not diff:
+      if not seeds:
         continue
-      if min(a + b) >= metrics_lib.TARGET_ACCURACY:
-        verdict = "both solve in every seed"
-      elif min(diff) > TIE_MARGIN:
-        verdict = "ahead in every seed"
-      elif max(diff) < -TIE_MARGIN:
-        verdict = "behind in every seed"
-      elif max(abs(d) for d in diff) <= TIE_MARGIN:
-        verdict = f"within {100 * TIE_MARGIN:g} point in every seed"
-      else:
-        verdict = "mixed"
-      out.append(dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
-                      seeds=seeds, difference=_stats(diff), verdict=verdict))
-  return sorted(out, key=lambda c: (c["task"], c["seq_len"], c["other"]))
+      record = dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
+                    seeds=seeds,
+                    difference=_stats([x - y for x, y in zip(a, b)]),
+                    verdict=_verdict(a, b))
+      keys = [((task, seq_len, mixer, s), (task, seq_len, other, s))
+              for s in seeds]
+      if curves is not None and all(
+          curves.get(k) and curves[k][0] for pair in keys for k in pair):
+        steps = [min(curves[k][0][-1] for k in pair) for pair in keys]
+        a = [best_up_to(curves[k], n) for (k, _), n in zip(keys, steps)]
+        b = [best_up_to(curves[k], n) for (_, k), n in zip(keys, steps)]
+        record["equal_steps"] = dict(
+            steps=dict(zip(seeds, steps)),
+            difference=_stats([x - y for x, y in zip(a, b)]),
+            verdict=_verdict(a, b))
+      out.append(record)
+  order = {m: i for i, m in enumerate(mixers)}
+  return sorted(out, key=lambda c: (c["task"], c["seq_len"],
+                                    order[c["mixer"]], order[c["other"]]))
+
+
+def compare_bits(cells: Sequence[dict[str, Any]],
+                 mixers: Sequence[str]) -> list[dict[str, Any]]:
+  """Per (task, length trained, evaluation length): every pair of mixers'
+  per-seed difference of held-out bits per byte (a seed's models score
+  the same held-out bytes), with its spread across seeds.
+
+  Each record: the pair, `length`, `seeds`, `differences` (per seed, first
+  minus second), `steps` (per seed, the two runs' steps), `mean`, `sd`
+  (across seeds, ddof 1; None for one seed), `min`, `max`, and a verdict:
+  "lower in every seed" / "higher in every seed" / "mixed". The final
+  parameters' bits at each length, and, at the training length, a record
+  with `equal_steps` True: each seed's pair at the shorter run's last
+  evaluated step (the held-out curve), since a run extended while its bits
+  still fell has trained longer than one that had converged.
+  """
+  by_key = {(c["task"], c["seq_len"], c["mixer"]): c for c in cells
+            if c.get("bits_by_seed")}
+  out = []
+  for (task, seq_len, mixer), first in by_key.items():
+    if mixer not in mixers:
+      continue
+    for other in mixers[mixers.index(mixer) + 1:]:
+      second = by_key.get((task, seq_len, other))
+      if second is None:
+        continue
+      a, b = first["bits_by_seed"], second["bits_by_seed"]
+      seeds = sorted(set(a) & set(b))
+      if not seeds:
+        continue
+      lengths = sorted({n for s in seeds for n in a[s] if n.isdigit()}
+                       & {n for s in seeds for n in b[s] if n.isdigit()},
+                       key=int)
+
+      def record(length, diffs, steps, equal_steps):
+        diffs = [float(d) for d in diffs]
+        verdict = ("lower in every seed" if max(diffs) < 0 else
+                   "higher in every seed" if min(diffs) > 0 else "mixed")
+        return dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
+                    length=int(length), equal_steps=equal_steps, seeds=seeds,
+                    differences=diffs, steps=steps,
+                    mean=float(np.mean(diffs)),
+                    sd=float(np.std(diffs, ddof=1)) if len(diffs) > 1
+                    else None, min=min(diffs), max=max(diffs),
+                    verdict=verdict)
+
+      for n in lengths:
+        if not all(n in a[s] and n in b[s] for s in seeds):
+          continue
+        out.append(record(n, [a[s][n] - b[s][n] for s in seeds],
+                          [[a[s]["steps"], b[s]["steps"]] for s in seeds],
+                          False))
+      stops = [min(a[s]["curve"][0][-1], b[s]["curve"][0][-1])
+               for s in seeds]
+      at = lambda curve, step: curve[1][list(curve[0]).index(step)]
+      if all(stop in a[s]["curve"][0] and stop in b[s]["curve"][0]
+             for s, stop in zip(seeds, stops)):
+        out.append(record(
+            seq_len, [at(a[s]["curve"], st) - at(b[s]["curve"], st)
+                      for s, st in zip(seeds, stops)],
+            [[st, st] for st in stops], True))
+  order = {m: i for i, m in enumerate(mixers)}
+  return sorted(out, key=lambda c: (c["task"], c["seq_len"],
+                                    order[c["mixer"]], order[c["other"]],
+                                    c["length"], c["equal_steps"]))
 
 
 def _length_stats(summaries, key: str = "length_accuracy"
@@ -296,6 +463,15 @@ def results_markdown(results: dict[str, Any]) -> str:
       f" {results.get('pause_seconds', 0.0) / 3600:.2f} in pauses (logging"
       f" windows over {metrics_lib.PAUSE_FACTOR:g}x their run's median time"
       " per step: a stopped or starved process).", ""]
+  cap = results.get("max_steps")
+  below = [r for r in results.get("runs", ())
+           if r["status"] in metrics_lib.LEARNING and cap is not None
+           and r["num_steps"] < cap]
+  if below:
+    lines += [
+        f"Still learning below the protocol's cap of {cap} steps, to be"
+        f" extended (`--extend_to={cap}`): {len(below)} runs: " + ", ".join(
+            f"{r['name']} ({r['num_steps']})" for r in below) + ".", ""]
   spent = results.get("workdir_compute")
   if spent and spent["runs"]:
     lines += [
@@ -303,11 +479,11 @@ def results_markdown(results: dict[str, Any]) -> str:
         " and other configurations' runs, such as a calibration, included):"
         f" {spent['train_seconds'] / 3600:.2f} hours, of which"
         f" {spent['pause_seconds'] / 3600:.2f} in pauses.", ""]
+  rules = {run.get("status_rule", "accuracy")
+           for run in results.get("runs", ())} or {"accuracy"}
+  lines += [" ".join(STATUS_RULE_TEXT[rule] for rule in STATUS_RULE_TEXT
+                     if rule in rules), ""]
   lines += [
-      "Status of a run, from its metrics: solved (>= 99%), plateaued (held-out"
-      " accuracy rising < 0.5 points per 100 steps over the last 300 steps at"
-      " >= half the peak rate and over the run's last 300 steps), rising at"
-      " cap (anything else).", "",
       "| task | T | mixer | lr | seeds | best acc % mean [min, max] |"
       " reached 99% | steps to 99% mean [min, max] | step cap | status |"
       " chance % |",
@@ -329,6 +505,8 @@ def results_markdown(results: dict[str, Any]) -> str:
         f" {'-' if chance is None else f'{100 * chance:.1f}'} |")
   lines += _overview_lines(results["cells"])
   lines += _comparison_lines(results.get("comparisons", ()))
+  lines += _rate_lines(results.get("rates_tried", ()), results["cells"])
+  lines += _bits_comparison_lines(results.get("bits_comparisons", ()))
   lines += _length_lines(
       results["cells"], "length_accuracy", "Length generalisation: final"
       " parameters' held-out accuracy % at each length",
@@ -339,6 +517,28 @@ def results_markdown(results: dict[str, Any]) -> str:
       with_params=True)
   lines += _run_lines(results.get("runs", ()))
   return "\n".join(lines) + "\n"
+
+
+# What each status rule is, in results.md (experiments/metrics.py).
+STATUS_RULE_TEXT = dict(
+    accuracy=(
+        "Status of a run, from its metrics: solved (>= 99%), plateaued (over"
+        f" the last {100 * metrics_lib.PLATEAU_FRACTION:g}% of its steps"
+        " the best held-out accuracy rose less than"
+        f" {100 * metrics_lib.PLATEAU_GAIN:g} points above the best of the"
+        f" {100 * metrics_lib.PLATEAU_FRACTION:g}% before, and so did the"
+        " least-squares line through those evaluations; at the run's end and"
+        " at the end of its part at >= half the peak rate), rising at cap"
+        " (anything else)."),
+    loss=(
+        "Status of a run, from its held-out loss in bits (bits per byte):"
+        f" converged (at least {metrics_lib.CONVERGE_MIN_STEPS} steps, and"
+        f" over the last {100 * metrics_lib.CONVERGE_FRACTION:g}% of its"
+        " steps both the least-squares line through the evaluations and the"
+        " lowest evaluation, against the lowest of the"
+        f" {100 * metrics_lib.CONVERGE_FRACTION:g}% before, fall by less than"
+        f" {metrics_lib.CONVERGE_FALL:g}), falling at cap (anything else)."),
+)
 
 
 def _length_lines(cells, key: str, heading: str, fmt, *,
@@ -406,7 +606,8 @@ def _overview_lines(cells) -> list[str]:
       if c["steps_to_99"] is not None and (
           c["num_reached_99"] == len(c["seeds"])):
         col += f", 99% at {c['steps_to_99']['mean']:.0f}"
-      if (c.get("statuses") or {}).get(metrics_lib.RISING):
+      if any((c.get("statuses") or {}).get(st)
+             for st in metrics_lib.LEARNING):
         col += " †"
       cols.append(col)
     chance = next(iter(by_mixer.values()))["chance_accuracy"]
@@ -424,14 +625,93 @@ def _comparison_lines(comparisons) -> list[str]:
   if not comparisons:
     return []
   lines = ["", "## Per-seed differences of best held-out accuracy", "",
-           "| task | T | pair | seeds | difference, points: mean [min, max] |"
-           " verdict |", "|---|---|---|---|---|---|"]
+           "Each pair at equal steps (each seed's two runs compared at the"
+           " shorter run's last evaluated step, the best evaluation up to"
+           " it), beside the runs as trained (some extended further while"
+           " still rising). An order is claimed only where it holds at equal"
+           " steps in every seed.", "",
+           "| task | T | pair | seeds | equal steps, per seed |"
+           " difference at equal steps, points: mean [min, max] |"
+           " verdict at equal steps | difference as trained |"
+           " verdict as trained |", "|---|---|---|---|---|---|---|---|---|"]
   for c in comparisons:
-    d = c["difference"]
+    d, eq = c["difference"], c.get("equal_steps")
+    if eq is None:
+      eq_cols = ["-", "-", "-"]
+    else:
+      e = eq["difference"]
+      eq_cols = [" / ".join(str(eq["steps"][s]) for s in c["seeds"]),
+                 f"{100 * e['mean']:+.1f} [{100 * e['min']:+.1f},"
+                 f" {100 * e['max']:+.1f}]", eq["verdict"]]
     lines.append(
         f"| {c['task']} | {c['seq_len']} | {c['mixer']} - {c['other']} |"
-        f" {len(c['seeds'])} | {100 * d['mean']:+.1f} [{100 * d['min']:+.1f},"
+        f" {len(c['seeds'])} | " + " | ".join(eq_cols) +
+        f" | {100 * d['mean']:+.1f} [{100 * d['min']:+.1f},"
         f" {100 * d['max']:+.1f}] | {c['verdict']} |")
+  return lines
+
+
+def _bits_comparison_lines(comparisons) -> list[str]:
+  if not comparisons:
+    return []
+  lines = ["", "## Per-seed differences of held-out bits per byte", "",
+           "First mixer minus second, per seed (a seed's models score the"
+           " same held-out bytes), at each evaluation length with the final"
+           " parameters, and at the training length also at equal steps"
+           " (each seed's pair at the shorter run's last evaluation). SD:"
+           " the spread of the per-seed differences across seeds.", "",
+           "| T trained | pair | length | steps per seed | difference per"
+           " seed | mean | SD | verdict |", "|---|---|---|---|---|---|---|---|"]
+  for c in comparisons:
+    steps = " / ".join(f"{x}" if x == y else f"{x}, {y}"
+                       for x, y in c["steps"])
+    sd = "-" if c["sd"] is None else f"{c['sd']:.3f}"
+    lines.append(
+        f"| {c['seq_len']} | {c['mixer']} - {c['other']} |"
+        f" {c['length']}{' (equal steps)' if c['equal_steps'] else ''} |"
+        f" {steps} | " + " / ".join(f"{d:+.3f}" for d in c["differences"])
+        + f" | {c['mean']:+.3f} | {sd} | {c['verdict']} |")
+  return lines
+
+
+def _rate_lines(tried, cells) -> list[str]:
+  """Per task and mixer, the rates its runs tried at each length, and the
+  rate the cells report; none when no cell tried more than one rate."""
+  if not any(len(g["rates"]) > 1 for r in tried
+             for groups in r["lengths"].values() for g in groups):
+    return []
+  lengths = sorted({n for r in tried for n in r["lengths"]})
+  used = {(c["task"], c["mixer"]): c["learning_rate"] for c in cells}
+  lines = ["", "## Learning rates tried (every run directory in the"
+           " workdir)", "",
+           "Per length, the rates each seed trained at; where one seed tried"
+           " several, its best held-out accuracy % at each, up to the"
+           " shortest of those runs. A length or seed with one rate had no"
+           " rate tuned there.", "",
+           "| task | mixer | rate reported | " + " | ".join(
+               f"T={n}" for n in lengths) + " |",
+           "|---|---|---|" + "---|" * len(lengths)]
+
+  def seeds(ss):
+    return "seed" + ("s " if len(ss) > 1 else " ") + ", ".join(map(str, ss))
+
+  for r in tried:
+    cols = []
+    for n in lengths:
+      parts = []
+      for g in r["lengths"].get(n, ()):
+        if g["steps"] is None:
+          parts.append(f"{g['rates'][0]:g} only ({seeds(g['seeds'])})")
+        else:
+          parts.append(
+              f"{seeds(g['seeds'])} at {g['steps']} steps: " + ", ".join(
+                  f"{lr:g} {100 * b:.1f}" for lr, b in zip(g["rates"],
+                                                          g["best"])))
+      cols.append("; ".join(parts) or "-")
+    rate = used.get((r["task"], r["mixer"]))
+    lines.append(f"| {r['task']} | {r['mixer']} |"
+                 f" {'-' if rate is None else f'{rate:g}'} | "
+                 + " | ".join(cols) + " |")
   return lines
 
 
@@ -521,7 +801,8 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
                     key=lambda c: c["seq_len"])
       if rows:
         rising[(task, mixer)] = [
-            metrics_lib.RISING in (c.get("statuses") or {}) for c in rows]
+            any(st in (c.get("statuses") or {}) for st in metrics_lib.LEARNING)
+            for c in rows]
         per_seed[(task, mixer)] = [
             [v for v in (c.get("best_by_seed") or {}).values()
              if v is not None] for c in rows]

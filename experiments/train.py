@@ -77,13 +77,26 @@ validate_config = program_lib.validate_config
 
 
 def eval_set(config, task) -> list[dict[str, np.ndarray]]:
-  """The run's held-out batches: `train.eval_batches` of its seed's
-  EVAL_STREAM (the same for every mixer at that seed)."""
+  """The run's held-out batches at `task`'s length: `train.eval_batches` of
+  its seed's EVAL_STREAM (the same for every mixer at that seed).
+
+  With `train.eval_score_last`, the batches are drawn once at the longest
+  length of the run (task.seq_len and train.eval_lengths) and cut to the
+  last `task.seq_len` positions (`task.cut`), scoring only the last
+  `eval_score_last` targets: every length scores the same bytes, the longer
+  ones with more context in front. Otherwise each length draws its own.
+  """
   tr = config.train
-  task = tasks_lib.held_out(task)
-  return [task.sample(tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
-                      tr.eval_batch_size).as_dict()
-          for i in range(tr.eval_batches)]
+  score_last = tr.get("eval_score_last")
+  if score_last is None:
+    source, cut = tasks_lib.held_out(task), lambda batch: batch
+  else:
+    longest = max([config.task.seq_len, *tr.get("eval_lengths", ())])
+    source = tasks_lib.held_out(_task_at(config, longest))
+    cut = lambda batch: source.cut(batch, task.seq_len, score_last)
+  return [cut(source.sample(
+      tasks_lib.rng(config.seed, tasks_lib.EVAL_STREAM, i),
+      tr.eval_batch_size)).as_dict() for i in range(tr.eval_batches)]
 
 
 def _evaluate(prog, params, eval_batches) -> tuple[float, float]:
@@ -129,8 +142,9 @@ def train_batches(config, task):
 def _length_evals(config, prog, params) -> dict[str, dict[str, float]]:
   """Held-out accuracy and loss of `params` at each of `train.eval_lengths`.
 
-  The same task with only `seq_len` replaced, drawn from the held-out stream;
-  the eval step compiles once per length.
+  The same task with only `seq_len` replaced, drawn from the held-out stream
+  (`eval_set`: with `train.eval_score_last`, the same scored bytes at every
+  length); the eval step compiles once per length.
   """
   accuracy, loss = {}, {}
   for seq_len in config.train.get("eval_lengths", ()):
@@ -217,7 +231,9 @@ RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
 # keeps that value).
 ADDED_FIELDS = {"train.eval_lengths": (), "train.length_curriculum": (),
                 "train.schedule": "cosine", "train.decay_fraction": 0.2,
-                "model.attention.rope": True, "model.kda.chunk_size": None}
+                "model.attention.rope": True, "model.kda.chunk_size": None,
+                "train.eval_score_last": None,
+                "train.status_rule": "accuracy"}
 
 # Schedules whose num_steps may change between a run and its resumption: a
 # constant rate does not depend on it, and a "wsd" run resumes from before
@@ -351,7 +367,8 @@ def _summary(config, task, params, log, *, last, start, wall):
       wall_seconds=wall, steps_per_second=trained / wall if trained else None,
       steps_trained_this_run=trained,
       schedule=tr.schedule, num_steps=tr.num_steps,
-      status=metrics_lib.run_status(log.records),
+      status=metrics_lib.run_status(
+          log.records, rule=tr.get("status_rule", "accuracy")),
       train_seconds=metrics_lib.train_seconds(log.records),
       **_fingerprint(task))
 

@@ -7,8 +7,10 @@ for KDA, Gated DeltaNet (GDN) and softmax attention; here 3 seeds a cell and
   python -m experiments.sweep --config=configs/sweeps/kimi_synthetic.py \
       --workdir=workdirs/kimi_synthetic
   # runs still rising at their cap continue (exactly as longer runs would),
-  # 500 steps at a time (a fresh 300-step status window past the old cap, at
-  # most 499 steps past a plateau) until solved, plateaued or at MAX_STEPS:
+  # 500 steps at a time (the status reads the last 20% of a run's steps
+  # against the 20% before: metrics.run_status) until solved, plateaued or
+  # at MAX_STEPS; a run without a checkpoint retrains from step 0 (one core
+  # per worker: bit for bit the same steps):
   python -m experiments.sweep ... --extend_to=3000 --extend_step=500
   # and where the budget allows, past MAX_STEPS (the three GDN Palindrome
   # runs still rising at 3000 went on to their plateaus):
@@ -162,6 +164,8 @@ def sweep(*, name="kimi_synthetic", base_config=None, cell_list=None,
   config.ablation = (dict(mixer="kda_zeroed", seq_len=512, seeds=(0,))
                      if ablation is None else ablation)
   config.curve_seq_len = curve_seq_len  # held-out accuracy vs step here
+  # The protocol's cap: results.md lists the runs still rising below it.
+  config.max_steps = MAX_STEPS
   config.lock()
   return config
 

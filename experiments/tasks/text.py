@@ -13,7 +13,9 @@ to end, starting at a uniformly drawn byte (a pure function of (seed,
 stream, index), like every task). The window's files are packed documents:
 `segment_ids` number them 1, 2, .. along the row, so no layer lets a byte
 see another file, and the last byte of each file is not scored (its target
-would be the next file's first byte).
+would be the next file's first byte). `cut` shortens a draw's windows to
+their last bytes, scoring only the final ones (every evaluation length then
+scores the same bytes: `train.eval_score_last`).
 
 The corpus is built once into `cache_dir` (one memory-mapped file of the
 bytes and one of the file boundaries per split, named by the corpus's
@@ -171,3 +173,30 @@ class Text:
     return base.Batch(inputs=window[:, :t].astype(np.int32),
                       targets=window[:, 1:].astype(np.int32), mask=mask,
                       segment_ids=segment_ids)
+
+  def cut(self, batch: base.Batch, length: int,
+          score_last: int) -> base.Batch:
+    """The windows of `batch` cut to their last `length` positions, scoring
+    only the last `score_last` targets.
+
+    Each row is then the window of `length` + 1 bytes that ends at the same
+    byte as the original row: the same targets at its end, the
+    `length - score_last` positions in front context only (mask 0). Cutting
+    the windows of one draw at the longest length to each shorter one scores
+    the same bytes at every length (`train.eval_score_last`). The files are
+    renumbered from 1 along the cut row; a file's last byte stays unscored.
+    """
+    t = batch.inputs.shape[1]
+    base.check_positive_int("length", length)
+    base.check_positive_int("score_last", score_last)
+    if not score_last <= length <= t:
+      raise ValueError(f"cut needs score_last ({score_last}) <= length"
+                       f" ({length}) <= the windows' length ({t}).")
+    keep = slice(t - length, t)
+    segment_ids = batch.segment_ids[:, keep]
+    mask = np.array(batch.mask[:, keep], np.float32)
+    mask[:, :length - score_last] = 0.0
+    return base.Batch(inputs=batch.inputs[:, keep],
+                      targets=batch.targets[:, keep], mask=mask,
+                      segment_ids=(segment_ids - segment_ids[:, :1] + 1
+                                   ).astype(np.int32))

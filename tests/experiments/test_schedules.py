@@ -4,6 +4,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from configs import common as config_lib
@@ -121,20 +122,33 @@ def _records(evals, rates, every=10):
   return sorted(out, key=lambda r: r["step"])
 
 
-def test_run_status_reads_the_hot_part_of_the_curve():
+def test_run_status_calls_a_run_plateaued_only_when_flat():
   flat = lambda s: 1.0
   steps = range(0, 1001, 25)
   status = metrics_lib.run_status
   assert status(_records([(s, 0.3) for s in steps], flat)) == "plateaued"
-  # +0.4 points per 100 steps: still a plateau; +0.6: rising.
-  assert status(_records([(s, 0.3 + 4e-5 * s) for s in steps],
-                         flat)) == "plateaued"
-  assert status(_records([(s, 0.3 + 6e-5 * s) for s in steps],
-                         flat)) == "rising at cap"
+  # A steady rise of 0.4 points over the last 20% (steps 800-1000): a
+  # plateau; 0.6: rising (both measures see it).
+  for rise, want in ((0.004, "plateaued"), (0.006, "rising at cap")):
+    curve = [(s, 0.3 + rise * s / 200) for s in steps]
+    assert status(_records(curve, flat)) == want, rise
+  # Each measure alone keeps a run rising. One high evaluation mid-window
+  # (the fitted line flat, the best 1 point above the window before):
+  spike = [(s, 0.3 + 0.01 * (s == 900)) for s in steps]
+  assert status(_records(spike, flat)) == "rising at cap"
+  # A fitted rise of 0.8 points over the last 20%, its best still below
+  # one high evaluation of the window before:
+  ramp = [(s, 0.3 + 0.008 * min(max(s - 800, 0), 200) / 200
+           + 0.02 * (s == 700)) for s in steps]
+  assert status(_records(ramp, flat)) == "rising at cap"
+  # The audit's case: flat by the old 300-step slope, +1 point between the
+  # best of the last 20% and the 20% before.
+  stairs = [(s, 0.3 + 0.01 * (s >= 850)) for s in steps]
+  assert status(_records(stairs, flat)) == "rising at cap"
   assert status(_records([(s, 0.99 * (s == 500)) for s in steps],
                          flat)) == "solved"
-  assert status(_records([(s, 0.3) for s in range(0, 201, 25)],
-                         flat)) == "rising at cap"  # too short to tell
+  assert status(_records([(s, 0.3) for s in range(0, 101, 25)],
+                         flat)) == "rising at cap"  # too few evaluations
   # Rising while the rate was high, flat in a low-rate tail: rising.
   decayed = lambda s: 1.0 if s <= 600 else 0.1
   curve = [(s, 0.1 + 1e-3 * min(s, 600)) for s in steps]
@@ -144,6 +158,43 @@ def test_run_status_reads_the_hot_part_of_the_curve():
   assert status(_records(curve, decayed)) == "rising at cap"
   # Flat in both: plateaued.
   assert status(_records([(s, 0.1) for s in steps], decayed)) == "plateaued"
+
+
+def _loss_records(bits, last=3000, every=50):
+  """Eval records of a held-out loss (nats) whose bits are `bits(step)`."""
+  return [dict(step=s, split="eval", accuracy=0.0, loss=bits(s) * np.log(2))
+          for s in range(0, last + 1, every)]
+
+
+def test_loss_status_stops_when_bits_per_byte_stop_falling():
+  status = lambda records: metrics_lib.run_status(records, rule="loss")
+  # A straight fall of 0.004 bits over the last 10% (steps 2700-3000):
+  # converged; 0.006: still falling.
+  for fall, want in ((0.004, "converged"), (0.006, "falling at cap")):
+    per_step = fall / 300
+    assert status(_loss_records(lambda s: 3.0 - per_step * s)) == want, fall
+  # Flat since step 1000 at 2.0: converged; the same curve at 1500 steps
+  # is too short (at least 2000).
+  curve = lambda s: 2.0 + 1e-3 * max(1000 - s, 0)
+  assert status(_loss_records(curve)) == "converged"
+  assert status(_loss_records(curve, last=1500)) == "falling at cap"
+  # Each measure alone keeps a run falling. A fitted line that is flat
+  # (one low evaluation mid-window), but the last 10% reaches 0.01 bits
+  # below the best of the 10% before:
+  dip = lambda s: 2.0 - 0.01 * (s == 2850)
+  assert status(_loss_records(dip)) == "falling at cap"
+  # A fitted fall of 0.008 over the last 10%, whose lowest point is still
+  # above one low evaluation of the 10% before:
+  slope = lambda s: 2.0 - 0.008 * min(max(s - 2700, 0), 300) / 300 - (
+      0.02 * (s == 2500))
+  assert status(_loss_records(slope)) == "falling at cap"
+  # Noise about a flat level (+-0.003, alternating) is no fall.
+  wiggle = lambda s: 2.0 + 0.003 * (-1) ** (s // 50)
+  assert status(_loss_records(wiggle)) == "converged"
+  # A loss that rises (overfitting) is not falling.
+  assert status(_loss_records(lambda s: 2.0 + 1e-5 * s)) == "converged"
+  with pytest.raises(ValueError, match="train.status_rule"):
+    metrics_lib.run_status([], rule="bits")
 
 
 def test_train_seconds_sums_every_logged_window():

@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from configs import text as text_config
+from configs.sweeps import kimi_synthetic
 from experiments import generation
+from experiments import program as program_lib
+from experiments import sweep_lib
 from experiments import tasks
 from experiments import train
 from experiments.tasks import text as text_lib
@@ -153,8 +156,18 @@ def test_text_sweep_reports_bits_per_byte_per_length(tmp_path):
   sweep.mixers = ("hybrid",)  # one run: the report is what is tested
   workdir = str(tmp_path / "sweep")
   sweep_lib.run_sweep(sweep, workdir, code_version="test")
+  # Its held-out bits per byte decide its status (the loss rule): 4 steps
+  # are short of the 2000 a run needs to converge, so it is extended, 4
+  # steps at a time, to the cap of 8.
+  (name,) = [r.name for r in sweep_lib.expand(sweep)]
+  trained = sweep_lib.run_sweep(sweep, workdir, extend_to=8, extend_step=4)
+  assert [r.config.train.num_steps for r in trained] == [8]
+  with open(os.path.join(workdir, name, "summary.json")) as f:
+    assert json.load(f)["steps"] == 8
   results = sweep_report.aggregate(sweep, workdir)
   assert results["num_finished"] == 1 and len(results["cells"]) == 1
+  assert results["runs"][0]["status"] == "falling at cap"
+  assert results["cells"][0]["statuses"] == {"falling at cap": 1}
   for run in results["runs"]:  # bits = the run's own logged losses / ln 2
     records = metrics_lib.read_records(
         os.path.join(workdir, run["name"], "metrics.jsonl"))
@@ -176,4 +189,135 @@ def test_text_sweep_reports_bits_per_byte_per_length(tmp_path):
   with open(os.path.join(workdir, "results.md")) as f:
     md = f.read()
   assert "bits per byte" in md and "| T=32 | T=64 |" in md
+  assert "converged (at least 2000 steps" in md
   assert os.path.exists(os.path.join(workdir, "bits_per_byte_vs_length.png"))
+
+
+def _same_bytes_config(root, cache, lengths=(64, 128), score_last=16):
+  config = text_config.get_config("smoke")
+  config.task.source_dir = root
+  config.task.cache_dir = cache
+  config.train.eval_lengths = lengths
+  config.train.eval_score_last = score_last
+  config.train.eval_batches = 2
+  return config
+
+
+def test_every_evaluation_length_scores_the_same_bytes(tmp_path):
+  root = _corpus(str(tmp_path / "src"), n=400)
+  config = _same_bytes_config(root, str(tmp_path / "cache"))
+  data, owner = _stream(root, held_out=True)
+  ends, scored = {}, {}
+  for seq_len in (32, 64, 128):  # the training length and eval_lengths
+    task = tasks.make_task(**dict(config.task.to_dict(), seq_len=seq_len))
+    batches = train.eval_set(config, task)
+    assert len(batches) == 2
+    for i, b in enumerate(batches):
+      assert b["inputs"].shape == (4, seq_len)
+      for row in range(4):  # the window, found in the held-out bytes
+        x = np.append(b["inputs"][row], b["targets"][row, -1]).astype(
+            np.uint8)
+        hits = [s for s in range(len(data) - seq_len)
+                if np.array_equal(data[s:s + seq_len + 1], x)]
+        assert hits, (seq_len, i, row)
+        end = hits[0] + seq_len  # the window's last byte
+        ends.setdefault((i, row), set()).add(end)
+        files = owner[end - seq_len:end + 1]
+        # Scored: the last 16 targets, but no file's last byte.
+        want = (np.arange(seq_len) >= seq_len - 16) & (files[1:] == files[:-1])
+        np.testing.assert_array_equal(b["mask"][row], want)
+        np.testing.assert_array_equal(
+            np.unique(files[:-1], return_inverse=True)[1] + 1,
+            b["segment_ids"][row])
+        scored.setdefault((i, row), []).append(
+            b["targets"][row][want].tolist())
+  # Every length's window ends at one byte, so each scores the same bytes.
+  for key, found in ends.items():
+    assert len(found) == 1, key
+    assert all(s == scored[key][0] for s in scored[key]), key
+  assert sum(len(s[0]) for s in scored.values()) > 0
+  bad = _same_bytes_config(root, str(tmp_path / "cache"), score_last=40)
+  with pytest.raises(ValueError, match="train.eval_score_last"):
+    program_lib.validate_config(bad)
+  stack = sweep_lib.expand(kimi_synthetic.get_config("smoke"))[0].config
+  stack.train.eval_score_last = 8  # a Stack window cut short is no window
+  with pytest.raises(ValueError, match="train.eval_score_last must be None"
+                     " for a task whose windows cannot be cut"):
+    program_lib.validate_config(stack)
+
+
+def test_bits_per_byte_at_each_length_match_a_hand_computation(tmp_path):
+  """One held-out window; the run's bits per byte at each length against
+  the model's logits on windows built from the files directly."""
+  root = _corpus(str(tmp_path / "src"), n=400)
+  config = _same_bytes_config(root, str(tmp_path / "cache"))
+  config.train.eval_batches = 1
+  config.train.eval_batch_size = 1
+  workdir = str(tmp_path / "run")
+  summary = train.train_and_evaluate(config, workdir)
+  data, owner = _stream(root, held_out=True)
+  (longest,) = train.eval_set(config, tasks.make_task(
+      **dict(config.task.to_dict(), seq_len=128)))
+  x = np.append(longest["inputs"][0], longest["targets"][0, -1]).astype(
+      np.uint8)
+  (start,) = [s for s in range(len(data) - 128)
+              if np.array_equal(data[s:s + 129], x)][:1]
+  end = start + 128
+  _, model, params, step = generation.load_run(workdir)
+  assert step == summary["steps"] == 4
+  got = dict(summary["length_loss"], **{"32": summary["final_eval_loss"]})
+  for seq_len in (32, 64, 128):
+    window = data[end - seq_len:end + 1].astype(np.int32)
+    files = owner[end - seq_len:end + 1]
+    segments = np.unique(files[:-1], return_inverse=True)[1] + 1
+    logits = np.asarray(model.apply(params, window[None, :-1],
+                                    segments[None].astype(np.int32)),
+                        np.float64)[0]
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True))
+                           .sum(-1, keepdims=True)) - logits.max(
+                               -1, keepdims=True)
+    nll = -logp[np.arange(seq_len), window[1:]]
+    keep = (np.arange(seq_len) >= seq_len - 16) & (files[1:] == files[:-1])
+    bits = nll[keep].mean() / np.log(2)
+    np.testing.assert_allclose(got[str(seq_len)] / np.log(2), bits,
+                               rtol=1e-5)
+
+
+def test_bits_per_byte_compare_per_seed_with_their_spread():
+  import statistics
+  from experiments import sweep_report
+
+  def cell(mixer, bits, steps, curves):
+    return dict(task="text", seq_len=256, mixer=mixer, bits_by_seed={
+        s: {"256": b256, "1024": b1024, "steps": n, "curve": curve}
+        for s, (b256, b1024), n, curve in zip(range(3), bits, steps,
+                                              curves)})
+  # kda converged at 2000 steps in seed 0; gdn went on to 3000 there.
+  kda = cell("kda", [(2.0, 1.9), (2.1, 2.0), (2.05, 1.95)],
+             [2000, 3000, 3000],
+             [([1900, 2000], [2.01, 2.0]), ([2900, 3000], [2.12, 2.1]),
+              ([2900, 3000], [2.06, 2.05])])
+  gdn = cell("gdn", [(1.95, 1.92), (2.15, 2.04), (2.08, 1.99)],
+             [3000, 3000, 3000],
+             [([2000, 3000], [2.03, 1.95]), ([2900, 3000], [2.16, 2.15]),
+              ([2900, 3000], [2.09, 2.08])])
+  out = sweep_report.compare_bits([kda, gdn], ("kda", "gdn"))
+  by = {(c["length"], c["equal_steps"]): c for c in out}
+  assert sorted(by) == [(256, False), (256, True), (1024, False)]
+  final = by[(256, False)]
+  want = [2.0 - 1.95, 2.1 - 2.15, 2.05 - 2.08]
+  np.testing.assert_allclose(final["differences"], want)
+  assert final["mean"] == pytest.approx(statistics.mean(want))
+  assert final["sd"] == pytest.approx(statistics.stdev(want))
+  assert final["verdict"] == "mixed"
+  assert final["steps"] == [[2000, 3000], [3000, 3000], [3000, 3000]]
+  # At equal steps seed 0 compares gdn at kda's 2000: 2.0 - 2.03.
+  equal = by[(256, True)]
+  np.testing.assert_allclose(equal["differences"],
+                             [2.0 - 2.03, 2.1 - 2.15, 2.05 - 2.08])
+  assert equal["verdict"] == "lower in every seed"
+  assert by[(1024, False)]["verdict"] == "lower in every seed"
+  lines = sweep_report._bits_comparison_lines(out)
+  assert lines[-2] == ("| 256 | kda - gdn | 256 (equal steps) | 2000 / 3000"
+                       " / 3000 | -0.030 / -0.050 / -0.030 | -0.037 |"
+                       " 0.012 | lower in every seed |")
