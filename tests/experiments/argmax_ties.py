@@ -1,0 +1,85 @@
+"""The tie allowance of an accuracy that two compiled programs computed.
+
+An accuracy is a mean of argmax hits over the scored positions. Two
+programs (another fusion or summation order, a mesh, another process count)
+round the same float32 logits differently, and two runs trained by them hold
+parameters that drifted apart by rounding; so their accuracies agree except
+at positions whose top two logits are closer than that. `allowance` counts
+those positions, and `assert_same_hits` lets the two hit counts differ by at
+most that many: with no such position, they must be equal.
+
+The bound. Let c_a, c_b be the two runs' parameters' logits in float64
+(the model run on float64 parameters; a few steps inside KDA, its beta and
+output norm statistics, stay float32), D = max |c_a - c_b| over the scored
+positions, and R a bound on how far a float32 program's logits lie from the
+float64 ones of the same parameters. Program a's logits lie within R of c_a,
+program b's within R + D; a vector within r of c_a (every entry) has c_a's
+argmax unless c_a's top-two gap is <= 2 r. So a position can score
+differently only where that gap is <= 2 (R + D). R is measured:
+e = max |float32 jit - float64| over the scored positions, taken as R = 2 e
+for the runs' own programs, which a test cannot read (on the MQAR smoke
+model the fused jit, op-by-op and 2 x 2 mesh forwards lay 0.8e-7 to 2.3e-7
+from the float64 logits, within 1.3x of one another).
+"""
+
+import jax
+import numpy as np
+
+
+def _float64(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def allowance(model, params_a, params_b, batches) -> tuple[int, dict]:
+  """(scored positions that may score differently, the measured bounds).
+
+  Args:
+    model: the Haiku model both runs apply (`model.apply(params, inputs)`
+      on one device: no context axis).
+    params_a, params_b: the two runs' parameters at the step compared (the
+      same ones when both programs scored one set of parameters).
+    batches: the batches scored ({"inputs", "mask"} NumPy arrays).
+
+  Returns:
+    (count, dict(rounding=e, drift=D, tolerance=2 (2 e + D), min_gap:
+    the smallest top-two gap of c_a)).
+  """
+  params = [_float64(jax.device_get(p)) for p in (params_a, params_b)]
+  f32 = jax.jit(model.apply)
+  f64 = jax.jit(model.apply)  # traced again under x64
+  count, rounding, drift, min_gap = 0, 0.0, 0.0, np.inf
+  tolerance = []
+  for batch in batches:
+    scored = batch["mask"] > 0
+    with jax.enable_x64(True):
+      centre = [np.asarray(f64(p, batch["inputs"])) for p in params]
+    low = [np.asarray(f32(jax.tree.map(np.float32, p), batch["inputs"]))
+           for p in params]
+    e = max(float(np.abs(lo - x)[scored].max()) for lo, x in zip(low, centre))
+    d = float(np.abs(centre[0] - centre[1])[scored].max())
+    top2 = np.sort(centre[0][scored], axis=-1)[:, -2:]
+    gap = top2[:, 1] - top2[:, 0]
+    tolerance.append(2 * (2 * e + d))
+    count += int((gap <= tolerance[-1]).sum())
+    rounding, drift = max(rounding, e), max(drift, d)
+    min_gap = min(min_gap, float(gap.min()))
+  return count, dict(rounding=rounding, drift=drift,
+                     tolerance=max(tolerance), min_gap=min_gap)
+
+
+def hits(accuracy: float, batches) -> int:
+  """The number of hits behind an accuracy over `batches`' scored positions
+  (a float32 ratio, or a mean of them weighted by scored positions)."""
+  n = sum(int((b["mask"] > 0).sum()) for b in batches)
+  count = accuracy * n
+  assert abs(count - round(count)) < 1e-3, (accuracy, n)
+  return round(count)
+
+
+def assert_same_hits(accuracy_a, accuracy_b, model, params_a, params_b,
+                     batches, what=""):
+  """The two accuracies' hit counts differ by at most `allowance`."""
+  ties, bounds = allowance(model, params_a, params_b, batches)
+  a, b = hits(accuracy_a, batches), hits(accuracy_b, batches)
+  assert abs(a - b) <= ties, (what, a, b, ties, bounds)
+  return ties, bounds
