@@ -467,7 +467,8 @@ def _forward(t: Tiles, q, k, v, g, beta, initial_state):
                  jax.ShapeDtypeStruct((b * h, kd, vd), _F32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary"),
-          vmem_limit_bytes=int(max(32 * 2 ** 20, 2 * budget))),
+          vmem_limit_bytes=int(min(max(32 * 2 ** 20, 2 * budget),
+                                   100 * 2 ** 20))),
       cost_estimate=cost_estimate(b, tp, h, kd, vd, q.dtype, t),
       interpret=t.interpret,
   )(*args)
