@@ -23,7 +23,13 @@ from the float64 logits, within 1.3x of one another).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from experiments import model as model_lib
+from experiments import program as program_lib
+from experiments import tasks as tasks_lib
+from experiments import train
 
 
 def _float64(tree):
@@ -83,3 +89,39 @@ def assert_same_hits(accuracy_a, accuracy_b, model, params_a, params_b,
   a, b = hits(accuracy_a, batches), hits(accuracy_b, batches)
   assert abs(a - b) <= ties, (what, a, b, ties, bounds)
   return ties, bounds
+
+
+def replay(config) -> tuple[list, list[float]]:
+  """(parameters before each step and after the last, each step's training
+  loss) of a run of `config`, trained again by the same compiled program
+  (`build_program` keeps it): the run's own values, as its logged losses
+  show."""
+  prog = program_lib.build_program(config)
+  params = prog.init(jax.random.key(config.seed),
+                     jnp.zeros((1, prog.task.seq_len), jnp.int32))
+  opt_state = prog.init_opt(params)
+  batch = train.train_batches(config, prog.task)
+  trace, losses = [jax.device_get(params)], []
+  for step in range(config.train.num_steps):
+    params, opt_state, m = prog.train_step(params, opt_state,
+                                           prog.put_batch(batch(step)))
+    trace.append(jax.device_get(params))
+    losses.append(float(m["loss"]))
+  return trace, losses
+
+
+def assert_same_run_accuracies(config, actual, expected, trace_a, trace_b,
+                               what=""):
+  """Each logged accuracy of two runs of `config` (records (step, split,
+  loss, accuracy), in the same order) has the same hits but at near-ties;
+  trace_a, trace_b: their parameters before each step (`replay`)."""
+  task = tasks_lib.make_task(**config.task.to_dict())
+  model = model_lib.make_model(config.model, task.vocab_size)
+  batch = train.train_batches(config, task)
+  held_out = train.eval_set(config, task)
+  for a, e in zip(actual, expected):
+    step, split = e[:2]
+    k = step - 1 if split == "train" else step  # the parameters it scored
+    batches = [batch(step - 1)] if split == "train" else held_out
+    assert_same_hits(a[3], e[3], model, trace_a[k], trace_b[k], batches,
+                     (what, step, split))
