@@ -20,6 +20,7 @@ from experiments import ablate
 from configs import common as config_lib
 from experiments import tasks as tasks_lib
 from experiments import train
+from tests import devices as test_devices
 from tests.experiments import argmax_ties
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -246,6 +247,7 @@ def test_data_x_context_mesh_gives_the_single_device_run(tmp_path):
   # over "data", the sequence over "context" (KDA state passing and the conv
   # halo across ranks); every logged loss and accuracy matches the 1 x 1
   # run's (losses to rounding, accuracies up to near-ties).
+  test_devices.devices(4)  # skips on a single chip (make test-tpu)
   base = config_lib.apply_diff(_smoke("kda"), {
       "model.kda.backend": "reference", "train.num_steps": 3,
       "train.eval_every": 3, "train.checkpoint_every": 3})
