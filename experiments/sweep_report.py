@@ -301,6 +301,21 @@ def best_up_to(curve: tuple[Sequence[int], Sequence[float]],
   return max(a for s, a in zip(steps, accs) if s <= step)
 
 
+def _mixer_pairs(cells, mixers, keep=lambda c: True):
+  """((task, seq_len, mixer, other), (cell, other cell)) for every pair of
+  `mixers` (in that order) trained on the same task and length, among the
+  cells `keep` accepts."""
+  by_key = {(c["task"], c["seq_len"], c["mixer"]): c for c in cells
+            if keep(c)}
+  for (task, seq_len, mixer), first in by_key.items():
+    if mixer not in mixers:
+      continue
+    for other in mixers[mixers.index(mixer) + 1:]:
+      second = by_key.get((task, seq_len, other))
+      if second is not None:
+        yield (task, seq_len, mixer, other), (first, second)
+
+
 def compare(cells: Sequence[dict[str, Any]], mixers: Sequence[str],
             curves: dict[tuple, tuple] | None = None
             ) -> list[dict[str, Any]]:
@@ -316,36 +331,30 @@ def compare(cells: Sequence[dict[str, Any]], mixers: Sequence[str],
   run's best up to there; `steps`: that step per seed), since a run
   extended while still rising has had more steps than one that stopped.
   """
-  by_key = {(c["task"], c["seq_len"], c["mixer"]): c for c in cells}
   out = []
-  for (task, seq_len, mixer), first in by_key.items():
-    if mixer not in mixers:
+  for (task, seq_len, mixer, other), (first, second) in _mixer_pairs(
+      cells, mixers):
+    seeds = sorted(set(first["best_by_seed"]) & set(second["best_by_seed"]))
+    a = [first["best_by_seed"][s] or 0.0 for s in seeds]
+    b = [second["best_by_seed"][s] or 0.0 for s in seeds]
+    if not seeds:
       continue
-    for other in mixers[mixers.index(mixer) + 1:]:
-      second = by_key.get((task, seq_len, other))
-      if second is None:
-        continue
-      seeds = sorted(set(first["best_by_seed"]) & set(second["best_by_seed"]))
-      a = [first["best_by_seed"][s] or 0.0 for s in seeds]
-      b = [second["best_by_seed"][s] or 0.0 for s in seeds]
-      if not seeds:
-        continue
-      record = dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
-                    seeds=seeds,
-                    difference=_stats([x - y for x, y in zip(a, b)]),
-                    verdict=_verdict(a, b))
-      keys = [((task, seq_len, mixer, s), (task, seq_len, other, s))
-              for s in seeds]
-      if curves is not None and all(
-          curves.get(k) and curves[k][0] for pair in keys for k in pair):
-        steps = [min(curves[k][0][-1] for k in pair) for pair in keys]
-        a = [best_up_to(curves[k], n) for (k, _), n in zip(keys, steps)]
-        b = [best_up_to(curves[k], n) for (_, k), n in zip(keys, steps)]
-        record["equal_steps"] = dict(
-            steps=dict(zip(seeds, steps)),
-            difference=_stats([x - y for x, y in zip(a, b)]),
-            verdict=_verdict(a, b))
-      out.append(record)
+    record = dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
+                  seeds=seeds,
+                  difference=_stats([x - y for x, y in zip(a, b)]),
+                  verdict=_verdict(a, b))
+    keys = [((task, seq_len, mixer, s), (task, seq_len, other, s))
+            for s in seeds]
+    if curves is not None and all(
+        curves.get(k) and curves[k][0] for pair in keys for k in pair):
+      steps = [min(curves[k][0][-1] for k in pair) for pair in keys]
+      a = [best_up_to(curves[k], n) for (k, _), n in zip(keys, steps)]
+      b = [best_up_to(curves[k], n) for (_, k), n in zip(keys, steps)]
+      record["equal_steps"] = dict(
+          steps=dict(zip(seeds, steps)),
+          difference=_stats([x - y for x, y in zip(a, b)]),
+          verdict=_verdict(a, b))
+    out.append(record)
   order = {m: i for i, m in enumerate(mixers)}
   return sorted(out, key=lambda c: (c["task"], c["seq_len"],
                                     order[c["mixer"]], order[c["other"]]))
@@ -366,51 +375,44 @@ def compare_bits(cells: Sequence[dict[str, Any]],
   evaluated step (the held-out curve), since a run extended while its bits
   still fell has trained longer than one that had converged.
   """
-  by_key = {(c["task"], c["seq_len"], c["mixer"]): c for c in cells
-            if c.get("bits_by_seed")}
   out = []
-  for (task, seq_len, mixer), first in by_key.items():
-    if mixer not in mixers:
+  for (task, seq_len, mixer, other), (first, second) in _mixer_pairs(
+      cells, mixers, keep=lambda c: c.get("bits_by_seed")):
+    a, b = first["bits_by_seed"], second["bits_by_seed"]
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
       continue
-    for other in mixers[mixers.index(mixer) + 1:]:
-      second = by_key.get((task, seq_len, other))
-      if second is None:
-        continue
-      a, b = first["bits_by_seed"], second["bits_by_seed"]
-      seeds = sorted(set(a) & set(b))
-      if not seeds:
-        continue
-      lengths = sorted({n for s in seeds for n in a[s] if n.isdigit()}
-                       & {n for s in seeds for n in b[s] if n.isdigit()},
-                       key=int)
+    lengths = sorted({n for s in seeds for n in a[s] if n.isdigit()}
+                     & {n for s in seeds for n in b[s] if n.isdigit()},
+                     key=int)
 
-      def record(length, diffs, steps, equal_steps):
-        diffs = [float(d) for d in diffs]
-        verdict = ("lower in every seed" if max(diffs) < 0 else
-                   "higher in every seed" if min(diffs) > 0 else "mixed")
-        return dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
-                    length=int(length), equal_steps=equal_steps, seeds=seeds,
-                    differences=diffs, steps=steps,
-                    mean=float(np.mean(diffs)),
-                    sd=float(np.std(diffs, ddof=1)) if len(diffs) > 1
-                    else None, min=min(diffs), max=max(diffs),
-                    verdict=verdict)
+    def record(length, diffs, steps, equal_steps):
+      diffs = [float(d) for d in diffs]
+      verdict = ("lower in every seed" if max(diffs) < 0 else
+                 "higher in every seed" if min(diffs) > 0 else "mixed")
+      return dict(task=task, seq_len=seq_len, mixer=mixer, other=other,
+                  length=int(length), equal_steps=equal_steps, seeds=seeds,
+                  differences=diffs, steps=steps,
+                  mean=float(np.mean(diffs)),
+                  sd=float(np.std(diffs, ddof=1)) if len(diffs) > 1
+                  else None, min=min(diffs), max=max(diffs),
+                  verdict=verdict)
 
-      for n in lengths:
-        if not all(n in a[s] and n in b[s] for s in seeds):
-          continue
-        out.append(record(n, [a[s][n] - b[s][n] for s in seeds],
-                          [[a[s]["steps"], b[s]["steps"]] for s in seeds],
-                          False))
-      stops = [min(a[s]["curve"][0][-1], b[s]["curve"][0][-1])
-               for s in seeds]
-      at = lambda curve, step: curve[1][list(curve[0]).index(step)]
-      if all(stop in a[s]["curve"][0] and stop in b[s]["curve"][0]
-             for s, stop in zip(seeds, stops)):
-        out.append(record(
-            seq_len, [at(a[s]["curve"], st) - at(b[s]["curve"], st)
-                      for s, st in zip(seeds, stops)],
-            [[st, st] for st in stops], True))
+    for n in lengths:
+      if not all(n in a[s] and n in b[s] for s in seeds):
+        continue
+      out.append(record(n, [a[s][n] - b[s][n] for s in seeds],
+                        [[a[s]["steps"], b[s]["steps"]] for s in seeds],
+                        False))
+    stops = [min(a[s]["curve"][0][-1], b[s]["curve"][0][-1])
+             for s in seeds]
+    at = lambda curve, step: curve[1][list(curve[0]).index(step)]
+    if all(stop in a[s]["curve"][0] and stop in b[s]["curve"][0]
+           for s, stop in zip(seeds, stops)):
+      out.append(record(
+          seq_len, [at(a[s]["curve"], st) - at(b[s]["curve"], st)
+                    for s, st in zip(seeds, stops)],
+          [[st, st] for st in stops], True))
   order = {m: i for i, m in enumerate(mixers)}
   return sorted(out, key=lambda c: (c["task"], c["seq_len"],
                                     order[c["mixer"]], order[c["other"]],
