@@ -172,6 +172,52 @@ def _dot(a, b, dims, precision):
                              preferred_element_type=_F32)
 
 
+def _block_scores(qr, kr, k, x, token, *, c, nb, precision):
+  """Unmasked score rows (A_qk, A_kk) by 16-token row blocks.
+
+  Row block n is one [2S, K] x [K, C] product of its row-factored q and k
+  (`qr`, `kr`) with the columns k * exp(column factor of block n) (`x`'s
+  rows (3 + n) C ..; zero right of block n). Returns two lists of [S, C].
+  """
+  qk_rows, kk_rows = [], []
+  for n in range(nb):
+    lo = (3 + n) * c
+    colf = jnp.where(token < SUB * (n + 1), jnp.exp(x[lo:lo + c]), 0.0)
+    lhs = jnp.concatenate(
+        [qr[SUB * n:SUB * (n + 1)], kr[SUB * n:SUB * (n + 1)]], axis=0)
+    s = _dot(lhs, k * colf, _NT, precision)  # [2S, C]
+    qk_rows.append(s[:SUB])
+    kk_rows.append(s[SUB:])
+  return qk_rows, kk_rows
+
+
+def _unit_lower_solve(a, rhs, x_ref, same_block, eye, *, nb, precision):
+  """(I + A)^-1 rhs for A [C, C] strictly lower, in `x_ref` (and returned).
+
+  The diagonal 16 x 16 blocks are inverted by repeated squaring (on the
+  block diagonal D: its powers stay block diagonal), then the block rows
+  are solved in order.
+  """
+  d = jnp.where(same_block, a, 0.0)
+  off = a - d
+  inv, power = eye - d, d
+  for _ in range(SUB.bit_length() - 2):
+    power = _dot(power, power, _NN, precision)
+    inv = _dot(inv, eye + power, _NN, precision)
+  x_ref[...] = jnp.zeros(x_ref.shape, _F32)
+  for n in range(nb):
+    rows = slice(SUB * n, SUB * (n + 1))
+    r = rhs[rows]
+    if n:
+      # off's row block n is zero from column 16n on: the rows of x_ref
+      # not solved yet (zero) do not enter.
+      r = r - _dot(off[rows], x_ref[...], _NN, precision)
+    x_ref[rows, :] = r
+    # inv's row block n is zero outside column block n: only r enters.
+    x_ref[rows, :] = _dot(inv[rows], x_ref[...], _NN, precision)
+  return x_ref[...]
+
+
 def _kernel(*refs, t: Tiles):
   if t.has_initial_state:
     (e_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, sf_ref,
@@ -221,40 +267,13 @@ def _kernel(*refs, t: Tiles):
     total = jnp.exp(x[(3 + nb) * c:(3 + nb) * c + 1])  # [1, K]
     qr, kr = q * rowf, k * rowf
 
-    # Scores by 16-token row blocks: one [2S, K] x [K, C] product each.
-    qk_rows, kk_rows = [], []
-    for n in range(nb):
-      lo = (3 + n) * c
-      colf = jnp.where(token < SUB * (n + 1), jnp.exp(x[lo:lo + c]), 0.0)
-      lhs = jnp.concatenate(
-          [qr[SUB * n:SUB * (n + 1)], kr[SUB * n:SUB * (n + 1)]], axis=0)
-      s = _dot(lhs, k * colf, _NT, p.scores)  # [2S, C]
-      qk_rows.append(s[:SUB])
-      kk_rows.append(s[SUB:])
+    qk_rows, kk_rows = _block_scores(qr, kr, k, x, token, c=c, nb=nb,
+                                     precision=p.scores)
     a_qk = jnp.where(causal, jnp.concatenate(qk_rows, axis=0), 0.0)
     a = jnp.where(below, jnp.concatenate(kk_rows, axis=0), 0.0) * beta
-
-    # (I + A)^-1: diagonal 16 x 16 blocks by repeated squaring (done on the
-    # block diagonal D: its powers stay block diagonal), then substitution.
-    d = jnp.where(same_block, a, 0.0)
-    off = a - d
-    inv, power = eye - d, d
-    for _ in range(SUB.bit_length() - 2):
-      power = _dot(power, power, _NN, p.solve)
-      inv = _dot(inv, eye + power, _NN, p.solve)
     rhs = jnp.concatenate([read * k, v], axis=1) * beta  # [C, K + V]
-    x_ref[...] = jnp.zeros(x_ref.shape, _F32)
-    for n in range(nb):
-      rows = slice(SUB * n, SUB * (n + 1))
-      r = rhs[rows]
-      if n:
-        # off's row block n is zero from column 16n on: the rows of x_ref
-        # not solved yet (zero) do not enter.
-        r = r - _dot(off[rows], x_ref[...], _NN, p.solve)
-      x_ref[rows, :] = r
-      # inv's row block n is zero outside column block n: only r enters.
-      x_ref[rows, :] = _dot(inv[rows], x_ref[...], _NN, p.solve)
-    wu = x_ref[...]
+    wu = _unit_lower_solve(a, rhs, x_ref, same_block, eye, nb=nb,
+                           precision=p.solve)
     w, u = wu[:, :kd], wu[:, kd:]
 
     state = state_ref[h]  # [K, V] float32
