@@ -183,6 +183,48 @@ def _stats(values: Sequence[float]) -> dict[str, float] | None:
               max=float(np.max(values)))
 
 
+def _cell_record(task, seq_len, mixer, by_lr) -> dict[str, Any]:
+  """One cell of results.json: the best rate's runs (by mean best accuracy,
+  the lower rate on a tie) summarised across their seeds; `by_lr` maps each
+  rate to its (run, summary) pairs."""
+  def mean_best(items):
+    return np.mean([s["best_eval_accuracy"] or 0.0 for _, s in items])
+  lr = max(by_lr, key=lambda x: (mean_best(by_lr[x]), -x))
+  items = sorted(by_lr[lr], key=lambda rs: rs[0].seed)
+  best = [s["best_eval_accuracy"] for _, s in items
+          if s["best_eval_accuracy"] is not None]
+  reached = [s["steps_to_99"] for _, s in items
+             if s["steps_to_99"] is not None]
+  return dict(
+      task=task, seq_len=seq_len, mixer=mixer, learning_rate=lr,
+      seeds=[r.seed for r, _ in items], best_accuracy=_stats(best),
+      steps_to_99=_stats(reached), num_reached_99=len(reached),
+      num_diverged=sum("error" in s for _, s in items),
+      chance_accuracy=next((s.get("chance_accuracy") for _, s in items
+                            if s.get("chance_accuracy") is not None), None),
+      best_by_seed={r.seed: s["best_eval_accuracy"] for r, s in items},
+      curves={r.seed: (s["eval_steps"], s["eval_accuracy"])
+              for r, s in items},
+      bits_by_seed={r.seed: dict(s["bits_per_byte"], steps=s["steps"],
+                                 curve=(s["eval_steps"], s["eval_bits"]))
+                    for r, s in items if s.get("bits_per_byte")},
+      statuses={st: n for st in metrics_lib.STATUSES + ("diverged",)
+                if (n := sum(s["status"] == st for _, s in items))},
+      num_steps=max(s["num_steps"] for _, s in items),
+      min_num_steps=min(s["num_steps"] for _, s in items),
+      length_curriculum=[list(stage) for stage in items[0][0].config.train
+                         .get("length_curriculum", ())],
+      train_seconds=float(sum(s["train_seconds"] for _, s in items)),
+      length_accuracy=_length_stats(s for _, s in items),
+      bits_per_byte=_length_stats((s for _, s in items),
+                                  key="bits_per_byte"),
+      num_params=items[0][1].get("num_params"),
+      baseline_accuracy=_stats([b for r, _ in items
+                                if (b := baseline_accuracy(r.config))
+                                is not None]),
+  )
+
+
 def aggregate(sweep, workdir: str, *,
               metadata: dict[str, Any] | None = None) -> dict[str, Any]:
   """Writes results.json, results.md and the figures; returns the results.
@@ -204,44 +246,8 @@ def aggregate(sweep, workdir: str, *,
     key = (run.task, run.seq_len, run.mixer)
     cells.setdefault(key, {}).setdefault(run.learning_rate, []).append(
         (run, summary))
-  records = []
-  for (task, seq_len, mixer), by_lr in cells.items():
-    def mean_best(items):
-      return np.mean([s["best_eval_accuracy"] or 0.0 for _, s in items])
-    lr = max(by_lr, key=lambda x: (mean_best(by_lr[x]), -x))
-    items = sorted(by_lr[lr], key=lambda rs: rs[0].seed)
-    best = [s["best_eval_accuracy"] for _, s in items
-            if s["best_eval_accuracy"] is not None]
-    reached = [s["steps_to_99"] for _, s in items
-               if s["steps_to_99"] is not None]
-    records.append(dict(
-        task=task, seq_len=seq_len, mixer=mixer, learning_rate=lr,
-        seeds=[r.seed for r, _ in items], best_accuracy=_stats(best),
-        steps_to_99=_stats(reached), num_reached_99=len(reached),
-        num_diverged=sum("error" in s for _, s in items),
-        chance_accuracy=next((s.get("chance_accuracy") for _, s in items
-                              if s.get("chance_accuracy") is not None), None),
-        best_by_seed={r.seed: s["best_eval_accuracy"] for r, s in items},
-        curves={r.seed: (s["eval_steps"], s["eval_accuracy"])
-                for r, s in items},
-        bits_by_seed={r.seed: dict(s["bits_per_byte"], steps=s["steps"],
-                                   curve=(s["eval_steps"], s["eval_bits"]))
-                      for r, s in items if s.get("bits_per_byte")},
-        statuses={st: n for st in metrics_lib.STATUSES + ("diverged",)
-                  if (n := sum(s["status"] == st for _, s in items))},
-        num_steps=max(s["num_steps"] for _, s in items),
-        min_num_steps=min(s["num_steps"] for _, s in items),
-        length_curriculum=[list(stage) for stage in items[0][0].config.train
-                           .get("length_curriculum", ())],
-        train_seconds=float(sum(s["train_seconds"] for _, s in items)),
-        length_accuracy=_length_stats(s for _, s in items),
-        bits_per_byte=_length_stats((s for _, s in items),
-                                    key="bits_per_byte"),
-        num_params=items[0][1].get("num_params"),
-        baseline_accuracy=_stats([b for r, _ in items
-                                  if (b := baseline_accuracy(r.config))
-                                  is not None]),
-    ))
+  records = [_cell_record(task, seq_len, mixer, by_lr)
+             for (task, seq_len, mixer), by_lr in cells.items()]
   curves = {(r["task"], r["seq_len"], r["mixer"], seed): curve
             for r in records for seed, curve in r.pop("curves").items()}
   order = {m: i for i, m in enumerate(
