@@ -649,14 +649,18 @@ def _comparison_lines(comparisons) -> list[str]:
     else:
       e = eq["difference"]
       eq_cols = [" / ".join(str(eq["steps"][s]) for s in c["seeds"]),
-                 f"{100 * e['mean']:+.1f} [{100 * e['min']:+.1f},"
-                 f" {100 * e['max']:+.1f}]", eq["verdict"]]
+                 _points(e), eq["verdict"]]
     lines.append(
         f"| {c['task']} | {c['seq_len']} | {c['mixer']} - {c['other']} |"
         f" {len(c['seeds'])} | " + " | ".join(eq_cols) +
-        f" | {100 * d['mean']:+.1f} [{100 * d['min']:+.1f},"
-        f" {100 * d['max']:+.1f}] | {c['verdict']} |")
+        f" | {_points(d)} | {c['verdict']} |")
   return lines
+
+
+def _points(d) -> str:
+  """A difference's mean [min, max] in signed points."""
+  return (f"{100 * d['mean']:+.1f} [{100 * d['min']:+.1f},"
+          f" {100 * d['max']:+.1f}]")
 
 
 def _bits_comparison_lines(comparisons) -> list[str]:
