@@ -37,8 +37,10 @@ def _config():
 
 def _command(workdir):
   flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+  # No compilation cache: each attempt compiles as the uninterrupted run did.
   return [sys.executable, os.path.join(REPO, "run_experiment.py"),
-          "--config=configs/mqar.py:smoke", f"--workdir={workdir}", *flags]
+          "--config=configs/mqar.py:smoke", f"--workdir={workdir}",
+          "--compilation_cache_dir=", *flags]
 
 
 def _params(workdir):
@@ -57,6 +59,29 @@ def _scores(workdir):
   return [(r["step"], r["split"], r["loss"], r["accuracy"]) for r in records]
 
 
+def _lines(path):
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return sum(1 for _ in f)
+
+
+def _kill_at_record(proc, path, count, rng, timeout=120.0):
+  """SIGKILL 0-5 ms after `path` holds `count` records.
+
+  Progress, not the clock, picks the moment: on a machine (or with a warm
+  cache) where start-up and the whole run take under a second, the kill
+  still lands mid-run.
+  """
+  end = time.time() + timeout
+  while time.time() < end and proc.poll() is None:
+    if _lines(path) >= count:
+      time.sleep(rng.uniform(0.0, 0.005))
+      proc.send_signal(signal.SIGKILL)
+      return
+    time.sleep(0.001)
+
+
 def _kill_while_checkpointing(proc, workdir, timeout=60.0):
   """SIGKILL as soon as orbax has a checkpoint half written."""
   end = time.time() + timeout
@@ -73,19 +98,22 @@ def test_sigkill_at_random_moments_resumes_to_the_uninterrupted_run(
   straight = str(tmp_path / "straight")
   reference = train.train_and_evaluate(_config(), straight)
   workdir = str(tmp_path / "killed")
+  path = os.path.join(workdir, "metrics.jsonl")
+  total = len(_scores(straight))
   rng = random.Random(0)
   kills = 0
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   for attempt in range(12):
+    logged = _lines(path)  # the next attempt may drop some (resume)
     log = open(tmp_path / f"attempt{attempt}.log", "w")
     proc = subprocess.Popen(_command(workdir), cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     if attempt < 6:
       if attempt % 2:
         _kill_while_checkpointing(proc, workdir)
-      else:
-        time.sleep(rng.uniform(4.0, 12.0))  # start-up takes a few seconds
-        proc.send_signal(signal.SIGKILL)
+      else:  # a few records on: in a step, an append, a checkpoint write
+        _kill_at_record(proc, path, min(logged + rng.randint(1, 4),
+                                        total - 1), rng)
     proc.wait(timeout=300)
     log.close()
     kills += proc.returncode == -signal.SIGKILL

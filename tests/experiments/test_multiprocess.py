@@ -52,7 +52,8 @@ def _free_port():
 
 def _run(args, env, log):
   with open(log, "w") as out:
-    return subprocess.Popen([sys.executable, "run_experiment.py", *args],
+    return subprocess.Popen([sys.executable, "run_experiment.py",
+                             "--compilation_cache_dir=", *args],
                             cwd=REPO, env=env, stdout=out,
                             stderr=subprocess.STDOUT)
 

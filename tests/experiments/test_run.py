@@ -310,7 +310,8 @@ def test_ablation_writes_a_table_and_a_plot(tmp_path):
 
 def _cli(*args, timeout=600):
   return subprocess.run(
-      [sys.executable, os.path.join(REPO, "run_experiment.py"), *args],
+      [sys.executable, os.path.join(REPO, "run_experiment.py"),
+       "--compilation_cache_dir=", *args],  # nothing written under ~/.cache
       cwd=REPO, capture_output=True, text=True, timeout=timeout,
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
