@@ -4,6 +4,7 @@ r"""KDA on a TPU: accuracy per matmul precision, and speed against tokamax.
     python -m benchmarks.kda_tpu --phase=precision --out=DIR
     python -m benchmarks.kda_tpu --phase=table --out=DIR
     python -m benchmarks.kda_tpu --phase=mosaic --out=DIR
+    python -m benchmarks.kda_tpu --phase=kernel --out=DIR
 
 Each phase writes `DIR/kda_tpu_<phase>.json` after every piece (an
 interrupted run keeps what it measured) and prints a markdown table.
@@ -24,6 +25,12 @@ interrupted run keeps what it measured) and prints a markdown table.
   on this chip? (The float32 times of each precision setting are `table`'s.)
 * `mosaic`: tokamax's Pallas kernel and its `xla_chunked` on `accuracy`'s
   T = 1024 case, against the same float64 oracle.
+* `kernel`: our Pallas TPU forward (`ops/kda/pallas_tpu.py`) on the chip,
+  on prepared inputs (q, k L2-normalised, q scaled, g from the lower-bound
+  gate at -5): its output and final state against the float64 oracle at
+  B1 T1024 H4 K128 beside `chunked` on the same inputs, then at B1 T8192
+  H32 K128 float32 its time per heads-per-block setting and precision
+  against `chunked` at the same precision (both with the final state).
 * `table`: B1 T8192 H32 K128 and B8 T4096 H16 K128, bfloat16 and float32,
   ours at "default" and at "highest" precision and tokamax `xla_chunked`,
   forward and forward+backward, in ms and as a fraction of the chip's
@@ -51,6 +58,8 @@ import numpy as np
 from benchmarks import kda_speed
 from linear_attention import ops
 from linear_attention import testing
+from linear_attention.ops.kda import gates
+from linear_attention.ops.kda import pallas_tpu
 from linear_attention.ops.kda import precision as precision_lib
 
 P = jax.lax.Precision
@@ -240,6 +249,80 @@ def _time_group(fns, args, repeats):
   return info
 
 
+def _prepared(b, t, h, d, dtype="float32", seed=0):
+  """The kernel's inputs: `inputs` through the op's own preparation."""
+  q, k, v, g, beta, a_log, dt_bias = inputs(b, t, h, d, dtype, seed)
+
+  @jax.jit
+  def prep(q, k, g, a_log, dt_bias):
+    q = gates.l2_normalize(q, dtype=jnp.float32) * d ** -0.5
+    k = gates.l2_normalize(k, dtype=jnp.float32)
+    g = gates.kda_log_decay(g, a_log, dt_bias, -5.0, dtype=jnp.float32)
+    return q.astype(dtype), k.astype(dtype), g
+  q, k, g = prep(q, k, g, a_log, dt_bias)
+  return q, k, v, g, beta.astype(jnp.float32)
+
+
+def kernel_fn(precision, heads_per_block=None):
+  interpret = jax.devices()[0].platform != "tpu"
+  def f(q, k, v, g, beta):
+    return pallas_tpu.kda_forward(
+        q, k, v, g, beta, precision=precision_lib.resolve(precision, q.dtype),
+        heads_per_block=heads_per_block, lower_bound=-5.0,
+        interpret=interpret)
+  return f
+
+
+def chunked_fn(precision):
+  def f(q, k, v, g, beta):
+    return ops.kimi_delta_attention(q, k, v, g, beta, scale=1.0,
+                                    output_final_state=True,
+                                    backend="chunked", precision=precision)
+  return f
+
+
+def phase_kernel(a, save, rate):
+  rows = []
+  shape = (1, 128, 2, 128) if a.smoke else (1, 1024, 4, 128)
+  args = _prepared(*shape)
+  with jax.enable_x64(True), jax.default_device(_cpu()):
+    args64 = [jax.device_put(np.asarray(x, np.float64), _cpu())
+              for x in args]
+    want = jax.tree.map(np.asarray, jax.jit(
+        lambda *xs: ops.kimi_delta_attention(
+            *xs, scale=1.0, output_final_state=True, backend="reference",
+            precision="highest"))(*args64))
+  for setting, name in [(s, n) for s in ("highest", "default")
+                        for n in ("kernel", "chunked")]:
+    fn = (kernel_fn if name == "kernel" else chunked_fn)(setting)
+    row = dict(part="accuracy", shape=shape, dtype="float32", impl=name,
+               setting=setting)
+    try:
+      o, s = jax.block_until_ready(jax.jit(fn)(*args))
+      row["errors"] = {
+          "o": testing.relative_l2_error(np.asarray(o, np.float64), want[0]),
+          "state": testing.relative_l2_error(np.asarray(s, np.float64),
+                                             want[1])}
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = repr(e)[:2000]
+      traceback.print_exc()
+    rows.append(row)
+    save(rows)
+  shape = (1, 256, 4, 128) if a.smoke else (1, 8192, 32, 128)
+  args = _prepared(*shape)
+  for setting in ("highest", "default"):
+    fns = {"chunked": chunked_fn(setting)}
+    for hb in (1, 2, 4):
+      fns[f"kernel_hb{hb}"] = kernel_fn(setting, hb)
+    info = _time_group(fns, args, a.repeats)
+    for name, r in info.items():
+      rows.append(dict(part="time", shape=shape, dtype="float32",
+                       mode="forward", impl=name, setting=setting,
+                       **_rates(r, shape, "forward", rate)))
+    save(rows)
+  return rows
+
+
 def matmul_rate(n):
   a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
   f = jax.jit(lambda x: x @ x)
@@ -301,6 +384,8 @@ def phase_table(a, save, rate):
 
 
 def markdown(phase, rows, rate):
+  if phase == "kernel":
+    return "\n".join(json.dumps(r, default=str) for r in rows)
   if phase in ("accuracy", "mosaic"):
     head = ("| B, T, H, K | gate | precision | " + " | ".join(BOUNDS)
             + " | within bounds |")
@@ -339,7 +424,8 @@ def markdown(phase, rows, rate):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--phase", required=True,
-                      choices=("accuracy", "precision", "table", "mosaic"))
+                      choices=("accuracy", "precision", "table", "mosaic",
+                               "kernel"))
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--smoke", action="store_true")
   parser.add_argument("--out", default="benchmarks/results")
@@ -367,7 +453,8 @@ def main():
   runner = dict(accuracy=lambda: phase_accuracy(a, save),
                 mosaic=lambda: phase_mosaic(a, save),
                 precision=lambda: phase_precision(a, save, rate),
-                table=lambda: phase_table(a, save, rate))[a.phase]
+                table=lambda: phase_table(a, save, rate),
+                kernel=lambda: phase_kernel(a, save, rate))[a.phase]
   rows = runner()
   print(markdown(a.phase, rows, rate), flush=True)
   print(f"\nwrote {path}", flush=True)
