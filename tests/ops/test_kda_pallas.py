@@ -237,3 +237,5 @@ def test_limits_raise():
     call(q, k, v, g.at[0, 3, 1, 7].set(-5.5), beta, s0)
   with pytest.raises(ValueError, match="Precisions"):
     call(*args, precision="highest")
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.grad(lambda q: call(q, *args[1:])[0].sum())(q)

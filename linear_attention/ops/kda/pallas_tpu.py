@@ -441,7 +441,26 @@ def kda_forward(q, k, v, g, beta, initial_state=None, *, precision,
   tiles = Tiles(chunk=chunk, heads_per_block=hb, key_dim=kd, value_dim=vd,
                 has_initial_state=initial_state is not None,
                 precision=precision, interpret=bool(interpret))
-  return _forward(tiles, q, k, v, g, beta, initial_state)
+  return _forward_only(tiles, q, k, v, g, beta, initial_state)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _forward_only(t: Tiles, q, k, v, g, beta, initial_state):
+  return _forward(t, q, k, v, g, beta, initial_state)
+
+
+def _forward_only_fwd(t, q, k, v, g, beta, initial_state):
+  return _forward(t, q, k, v, g, beta, initial_state), None
+
+
+def _forward_only_bwd(t, residuals, cotangents):
+  del t, residuals, cotangents
+  raise NotImplementedError(
+      "pallas_tpu.kda_forward is forward only (no backward kernel yet);"
+      " differentiate the op with backend='chunked'.")
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
