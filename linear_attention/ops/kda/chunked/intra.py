@@ -186,13 +186,9 @@ def _scores(rows, diag_cols, earlier, sub, precision):
 
 def _exact_diagonal(q, k, g, sub, precision):
   """Diagonal blocks (d_qk, d_kk) [..., NB, S, S] by the masked exponent."""
-  gb, qb, kb = _blocks(g, sub), _blocks(q, sub), _blocks(k, sub)
+  qb, kb = _blocks(q, sub), _blocks(k, sub)
   s = jnp.arange(sub)
-  # pair[s, t] = sum over (t, s] of g: cumsum over u of g_u 1[u > t].
-  after_t = jnp.where((s[None, :] > s[:, None])[..., None],
-                      gb[..., None, :, :], 0.0)  # [..., NB, t, u, K]
-  pair = jnp.swapaxes(jax.lax.cumsum(after_t, axis=after_t.ndim - 2),
-                      -2, -3)
+  pair = linalg.pair_sums(g, sub)  # [..., NB, s, t, K]: g summed over (t, s]
   decay = linalg.exp_masked(pair, (s[:, None] >= s[None, :])[..., None])
   d_qk = jnp.einsum("...sk,...tk,...stk->...st", qb, kb, decay,
                     precision=precision)

@@ -65,6 +65,38 @@ def range_sums(x, size, relation):
   return sums(x)
 
 
+def pair_sums(x, size):
+  """y[..., n, s, t, :] = sum of x over (t, s] in block n (0 where s <= t).
+
+  x [..., S, K] in blocks of `size` along axis -2; y [..., S/size, size,
+  size, K]. Like `range_sums`, one HIGHEST matmul per block with a
+  [size * size, size] 0/1 matrix (its VJP the transposed matrix): every
+  pair's exponent is the float32 sum of exactly its range, on any backend.
+  (`lax.cumsum` here would be a reduce-window, whose arithmetic on an
+  accelerator the op does not pin.)
+  """
+  i = np.arange(size)
+  s, t, u = i[:, None, None], i[None, :, None], i[None, None, :]
+  mask = ((t < u) & (u <= s)).astype(np.float32).reshape(size * size, size)
+  shape = x.shape
+  out_shape = shape[:-2] + (shape[-2] // size, size, size, shape[-1])
+
+  def apply(m, y, rows, cols):
+    y3 = y.reshape((-1, cols, shape[-1]))
+    mb = jnp.broadcast_to(jnp.asarray(m, y.dtype), (y3.shape[0], rows, cols))
+    return jax.lax.dot_general(mb, y3, (((2,), (1,)), ((0,), (0,))),
+                               precision=HIGHEST)
+
+  @jax.custom_vjp
+  def sums(y):
+    return apply(mask, y, size * size, size).reshape(out_shape)
+
+  sums.defvjp(
+      lambda y: (sums(y), None),
+      lambda _, g: (apply(mask.T, g, size, size * size).reshape(shape),))
+  return sums(x)
+
+
 def transposed(x):
   """x with its last two axes swapped, as an array of its own."""
   return jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2))
