@@ -3,7 +3,9 @@
 A CPU computes float32 products exactly at any precision, so these tests read
 the precision every matmul is lowered with (StableHLO `dot_general`'s
 `precision = [.., ..]`), forward and backward, instead of comparing numbers;
-the numbers on a TPU are checked by tests/ops/test_kda_tpu.py there.
+the numbers at the default precision are checked against float64 on whatever
+device runs the suite by tests/ops/test_kda_device_accuracy.py (on a TPU with
+`make test-tpu`).
 """
 
 import collections
