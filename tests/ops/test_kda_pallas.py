@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda import common
 from linear_attention.ops.kda import mosaic
@@ -140,6 +141,68 @@ def test_bfloat16_inputs(name, precision):
                        name="final_state")
 
 
+def _grads_pair(args, cotangent_seed=3, **kw):
+  """The kernel's VJP and the float64 `reference` op's, same cotangents."""
+  rng = np.random.default_rng(cotangent_seed)
+  do = rng.normal(size=args[2].shape)
+  ds = rng.normal(size=(args[0].shape[0], args[0].shape[2], args[0].shape[3],
+                        args[2].shape[3]))
+  kw.setdefault("precision", ACCURATE)
+  nargs = 6 if args[5] is not None else 5
+
+  def vjp(f, xs):
+    out, back = jax.vjp(f, *xs[:nargs])
+    return out, back((jnp.asarray(do, out[0].dtype),
+                      jnp.asarray(ds, out[1].dtype)))
+
+  kernel = lambda *xs: pallas_tpu.kda_forward(*xs, interpret=True, **kw)
+  got = vjp(kernel, args)
+  with jax.enable_x64(True):
+    a64 = [None if x is None else jnp.asarray(np.asarray(
+        jnp.asarray(x, jnp.float32), np.float64)) for x in args]
+
+    def reference(q, k, v, g, beta, s0=None):
+      return ops.kimi_delta_attention(
+          q, k, v, g, beta, scale=1.0, initial_state=s0,
+          output_final_state=True, backend="reference", precision="highest")
+    want = vjp(reference, a64)
+  return got, want
+
+
+@pytest.mark.parametrize("t, g, beta, init, chunk", [
+    (100, (-5.0, 0.0), None, True, 64),  # padded; an initial state
+    (192, (-5.0, -5.0), None, False, 64),  # every g at the limit
+    (160, (-1e-3, 0.0), None, True, 32),  # almost no decay, 32-token chunks
+    (100, (-1.0, 0.0), 1.0, True, 64),  # beta = 1
+])
+def test_gradients_match_the_float64_reference(t, g, beta, init, chunk):
+  # The reference token scan in float64 (its gradients are anchored by
+  # float64 finite differences, tests/ops/test_gradient_anchors.py).
+  args = prepared(t, g=g, beta=beta, init=init, seed=6)
+  (out, grads), (out64, grads64) = _grads_pair(args, chunk=chunk)
+  for name, x, w in zip(("output", "final_state"), out, out64):
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+  names = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+  for name, x, w in zip(names, grads, grads64):
+    assert x.dtype == jnp.float32, name
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+
+
+def test_gradients_of_bfloat16_inputs_and_two_head_blocks():
+  q, k, v, g, beta, s0 = prepared(100, h=4, seed=7)
+  bf = lambda x: x.astype(jnp.bfloat16)
+  args = (bf(q), bf(k), bf(v), g, bf(beta), s0)
+  (_, grads), (_, grads64) = _grads_pair(args, precision=FAST,
+                                         heads_per_block=2)
+  dtypes = (jnp.bfloat16,) * 3 + (jnp.float32, jnp.bfloat16, jnp.float32)
+  for name, x, w, dtype in zip(("dq", "dk", "dv", "dg", "dbeta", "ds0"),
+                               grads, grads64, dtypes):
+    assert x.dtype == dtype, name
+    # One bfloat16 pass and gradients rounded to bfloat16: measured
+    # 2.4e-3..4.0e-3 (CPU, interpret mode); the bound is twice the largest.
+    testing.assert_close(x, np.asarray(w), rtol=8e-3, name=name)
+
+
 def test_each_precision_group_is_its_own():
   # One group at DEFAULT (bfloat16 operands) and the rest at HIGHEST: the
   # error rises above float32's, so each group reaches its own matmuls.
@@ -207,6 +270,26 @@ def test_exports_to_mosaic_for_tpu(chip, dtype):
                                                    (b, h, kd, kd)]
 
 
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_backward_exports_to_mosaic_for_tpu(chip):
+  b, t, h, kd = 1, 256, 8, 128
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  args = (s(b, t, h, kd), s(b, t, h, kd), s(b, t, h, kd), s(b, t, h, kd),
+          s(b, t, h), s(b, h, kd, kd))
+
+  def loss(*a):
+    o, state = pallas_tpu.kda_forward(*a, precision=ACCURATE,
+                                      lower_bound=-5.0)
+    return jnp.sum(o * o) + jnp.sum(state)
+
+  f = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+  with mosaic.lowering_mode(chip):
+    exported = jax.export.export(f, platforms=["tpu"])(*args)
+  # The forward saving its chunk states, then the backward.
+  assert exported.mlir_module().count("tpu_custom_call") == 2
+  assert [a.shape for a in exported.out_avals] == [x.shape for x in args]
+
+
 def test_limits_raise():
   q, k, v, g, beta, s0 = prepared(64)
   call = lambda *a, **kw: pallas_tpu.kda_forward(
@@ -237,5 +320,4 @@ def test_limits_raise():
     call(q, k, v, g.at[0, 3, 1, 7].set(-5.5), beta, s0)
   with pytest.raises(ValueError, match="Precisions"):
     call(*args, precision="highest")
-  with pytest.raises(NotImplementedError, match="forward only"):
-    jax.grad(lambda q: call(q, *args[1:])[0].sum())(q)
+

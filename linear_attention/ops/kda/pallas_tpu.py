@@ -1,4 +1,4 @@
-"""Our own Pallas (Mosaic) TPU kernel for the KDA forward (phase 1).
+"""Our own Pallas (Mosaic) TPU kernels for the KDA forward and backward.
 
 Kimi Delta Attention (Kimi Linear, arXiv 2510.26692), the chunked WY / UT
 form of `chunked/__init__.py` and `chunked_naive.py`, fused into one
@@ -54,22 +54,24 @@ and HIGHEST on float32 operands with Mosaic's bf16x3 / fp32 contraction.
 Interpret mode on CPU computes HIGH and HIGHEST as exact float32 products
 (only DEFAULT's rounding shows there).
 
+Backward (`jax.custom_vjp` of `kda_forward`). The forward also writes each
+chunk's incoming state X_c ([B*H, T/C, K, V] float32, T/C * 64 KiB a head
+at K = V = 128); a second kernel walks the chunks last to first (the index
+maps reverse the chunk axis) with dX, the state's cotangent, in VMEM
+scratch, recomputes each chunk's exponents, scores and UT transform from
+q, k, v, g, beta and X_c (cheaper than storing [C, C] residuals), and forms
+dq, dk, dv, dbeta, dg and the initial state's cotangent
+(`_backward_kernel` has the equations). The transposed solve is a block
+back substitution; dg is one HIGHEST product with the exponent matrix
+transposed (dg = E^T dx).
+
 Limits: float32 / bfloat16 q, k, v (one dtype; g and beta float32 or
 bfloat16, computed in float32); K and V multiples of 128 (smaller head dims
 would need zero padding to 128 in the wrapper, exact but not done here);
 chunk a multiple of 16 up to 128 (64 is the tested and intended one); every
-g >= -5; no segment_ids (NotImplementedError); forward only.
-
-Phase 2 (not here), the backward will need: the per-chunk states X_c (store
-them [B*H, N, K, V] from this kernel, or recompute them in a first pass:
-T/C * K * V * 4 bytes a head), then a reverse-chunk kernel carrying dX
-(float32 [K, V] scratch, grid chunks reversed through the index_map) that
-recomputes A_kk, A_qk, the inverse and W, U per chunk from q, k, v, g, beta
-(recompute is cheaper than storing [C, C] residuals), and forms dq, dk, dv,
-dbeta and dg, the latter through the exponents' range-sum matrix transposed
-(dg = E^T d(exponents)), with the same centred factors. Also: segment_ids
-(run restarts inside a chunk: masked A, run-restarting range sums and state
-resets at run starts), and wiring into backend "mosaic"/"auto" in api.py.
+g >= -5; no segment_ids (NotImplementedError). Not yet: segment_ids (run
+restarts inside a chunk: masked A, run-restarting range sums and state
+resets at run starts), and wiring into the op's backends.
 """
 
 import dataclasses
@@ -109,6 +111,7 @@ class Tiles:
   has_initial_state: bool
   precision: Precisions
   interpret: bool
+  save_states: bool = False  # also output each chunk's incoming state
 
   @property
   def blocks(self) -> int:
@@ -172,20 +175,18 @@ def _dot(a, b, dims, precision):
                              preferred_element_type=_F32)
 
 
-def _block_scores(qr, kr, k, x, token, *, c, nb, precision):
+def _block_scores(qr, kr, k, colfs, *, nb, precision):
   """Unmasked score rows (A_qk, A_kk) by 16-token row blocks.
 
   Row block n is one [2S, K] x [K, C] product of its row-factored q and k
-  (`qr`, `kr`) with the columns k * exp(column factor of block n) (`x`'s
-  rows (3 + n) C ..; zero right of block n). Returns two lists of [S, C].
+  (`qr`, `kr`) with the columns k * colfs[n] (the column factors of block n,
+  zero right of it). Returns two lists of [S, C].
   """
   qk_rows, kk_rows = [], []
   for n in range(nb):
-    lo = (3 + n) * c
-    colf = jnp.where(token < SUB * (n + 1), jnp.exp(x[lo:lo + c]), 0.0)
     lhs = jnp.concatenate(
         [qr[SUB * n:SUB * (n + 1)], kr[SUB * n:SUB * (n + 1)]], axis=0)
-    s = _dot(lhs, k * colf, _NT, precision)  # [2S, C]
+    s = _dot(lhs, k * colfs[n], _NT, precision)  # [2S, C]
     qk_rows.append(s[:SUB])
     kk_rows.append(s[SUB:])
   return qk_rows, kk_rows
@@ -218,15 +219,77 @@ def _unit_lower_solve(a, rhs, x_ref, same_block, eye, *, nb, precision):
   return x_ref[...]
 
 
+class _Consts:
+  """Index masks shared by every head of a grid step."""
+
+  def __init__(self, c, kd):
+    row_i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col_i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    self.eye_c = row_i == col_i
+    self.causal = row_i >= col_i
+    self.below = row_i > col_i
+    shift = SUB.bit_length() - 1  # i // 16 as a shift
+    self.same_block = (jax.lax.shift_right_logical(row_i, shift)
+                       == jax.lax.shift_right_logical(col_i, shift))
+    self.token = jax.lax.broadcasted_iota(jnp.int32, (c, kd), 0)
+    self.eye_k = (jax.lax.broadcasted_iota(jnp.int32, (kd, kd), 0)
+                  == jax.lax.broadcasted_iota(jnp.int32, (kd, kd), 1))
+    self.eye = jnp.where(self.eye_c, 1.0, 0.0).astype(_F32)
+
+
+def _column(row, eye):
+  """[1, N] -> [N, 1] by a masked lane reduction (exact: one term a row)."""
+  return jnp.sum(jnp.where(eye, row, 0.0), axis=1, keepdims=True)
+
+
+def _row(column, eye):
+  """[N, 1] -> [1, N] by a masked sublane reduction (exact)."""
+  return jnp.sum(jnp.where(eye, column, 0.0), axis=0, keepdims=True)
+
+
+def _chunk_pieces(q, k, v, g, beta, emat, m: _Consts, x_ref, t: Tiles):
+  """One head's chunk up to the UT transform: what forward and backward share.
+
+  beta is a column [C, 1]. Returns a dict of the exponents `x`, the factors
+  read / to_end / rowf / total ([1, K]) and the column factors `colfs` (one
+  [C, K] per row block), the masked scores a_qk (causal) and s (strictly
+  lower, before beta), and wu = (I + beta s)^-1 beta [read k | v].
+  """
+  c, kd, nb, p = t.chunk, t.key_dim, t.blocks, t.precision
+  x = _dot(emat, g, _NN, _HIGHEST)  # [R, K] every exponent, see above
+  read = jnp.exp(x[0:c])
+  to_end = jnp.exp(x[c:2 * c])
+  rowf = jnp.exp(x[2 * c:3 * c])
+  total = jnp.exp(x[(3 + nb) * c:(3 + nb) * c + 1])  # [1, K]
+  qr, kr = q * rowf, k * rowf
+  colfs = [jnp.where(m.token < SUB * (n + 1),
+                     jnp.exp(x[(3 + n) * c:(4 + n) * c]), 0.0)
+           for n in range(nb)]
+  qk_rows, kk_rows = _block_scores(qr, kr, k, colfs, nb=nb,
+                                   precision=p.scores)
+  a_qk = jnp.where(m.causal, jnp.concatenate(qk_rows, axis=0), 0.0)
+  s = jnp.where(m.below, jnp.concatenate(kk_rows, axis=0), 0.0)
+  rhs = jnp.concatenate([read * k, v], axis=1) * beta  # [C, K + V]
+  wu = _unit_lower_solve(s * beta, rhs, x_ref, m.same_block, m.eye, nb=nb,
+                         precision=p.solve)
+  return dict(x=x, read=read, to_end=to_end, rowf=rowf, total=total, qr=qr,
+              kr=kr, colfs=colfs, a_qk=a_qk, s=s, wu=wu)
+
+
+def _split_refs(refs, n_in, n_out):
+  """(inputs, outputs, scratch refs) of a kernel's flat ref list."""
+  return refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+
+
 def _kernel(*refs, t: Tiles):
-  if t.has_initial_state:
-    (e_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, sf_ref,
-     state_ref, x_ref) = refs
-  else:
-    (e_ref, q_ref, k_ref, v_ref, g_ref, b_ref, o_ref, sf_ref, state_ref,
-     x_ref) = refs
-    s0_ref = None
-  c, kd, vd, nb = t.chunk, t.key_dim, t.value_dim, t.blocks
+  n_in = 7 if t.has_initial_state else 6
+  n_out = 3 if t.save_states else 2
+  ins, outs, (state_ref, x_ref) = _split_refs(refs, n_in, n_out)
+  e_ref, q_ref, k_ref, v_ref, g_ref, b_ref = ins[:6]
+  s0_ref = ins[6] if t.has_initial_state else None
+  o_ref, sf_ref = outs[:2]
+  cs_ref = outs[2] if t.save_states else None
+  kd, vd = t.key_dim, t.value_dim
   p = t.precision
   chunk_id = pl.program_id(1)
 
@@ -237,57 +300,160 @@ def _kernel(*refs, t: Tiles):
     else:
       state_ref[...] = s0_ref[...].astype(_F32)
 
-  row_i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  col_i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  eye_c = row_i == col_i
-  causal = row_i >= col_i
-  below = row_i > col_i
-  shift = SUB.bit_length() - 1  # i // 16 as a shift
-  same_block = (jax.lax.shift_right_logical(row_i, shift)
-                == jax.lax.shift_right_logical(col_i, shift))
-  token = jax.lax.broadcasted_iota(jnp.int32, (c, kd), 0)
-  eye_k = (jax.lax.broadcasted_iota(jnp.int32, (kd, kd), 0)
-           == jax.lax.broadcasted_iota(jnp.int32, (kd, kd), 1))
-  eye = jnp.where(eye_c, 1.0, 0.0).astype(_F32)
+  m = _Consts(t.chunk, kd)
   emat = e_ref[...]
-
   for h in range(t.heads_per_block):
     q = q_ref[:, h * kd:(h + 1) * kd].astype(_F32)
     k = k_ref[:, h * kd:(h + 1) * kd].astype(_F32)
     g = g_ref[:, h * kd:(h + 1) * kd].astype(_F32)
     v = v_ref[:, h * vd:(h + 1) * vd].astype(_F32)
-    beta_row = b_ref[h:h + 1, :].astype(_F32)  # [1, C]
-    beta = jnp.sum(jnp.where(eye_c, beta_row, 0.0), axis=1,
-                   keepdims=True)  # [C, 1], exact (one term a row)
-
-    x = _dot(emat, g, _NN, _HIGHEST)  # [R, K] every exponent, see above
-    read = jnp.exp(x[0:c])
-    to_end = jnp.exp(x[c:2 * c])
-    rowf = jnp.exp(x[2 * c:3 * c])
-    total = jnp.exp(x[(3 + nb) * c:(3 + nb) * c + 1])  # [1, K]
-    qr, kr = q * rowf, k * rowf
-
-    qk_rows, kk_rows = _block_scores(qr, kr, k, x, token, c=c, nb=nb,
-                                     precision=p.scores)
-    a_qk = jnp.where(causal, jnp.concatenate(qk_rows, axis=0), 0.0)
-    a = jnp.where(below, jnp.concatenate(kk_rows, axis=0), 0.0) * beta
-    rhs = jnp.concatenate([read * k, v], axis=1) * beta  # [C, K + V]
-    wu = _unit_lower_solve(a, rhs, x_ref, same_block, eye, nb=nb,
-                           precision=p.solve)
-    w, u = wu[:, :kd], wu[:, kd:]
+    beta = _column(b_ref[h:h + 1, :].astype(_F32), m.eye_c)  # [C, 1]
+    f = _chunk_pieces(q, k, v, g, beta, emat, m, x_ref, t)
+    w, u = f["wu"][:, :kd], f["wu"][:, kd:]
 
     state = state_ref[h]  # [K, V] float32
+    if cs_ref is not None:
+      cs_ref[h] = state
     v_new = u - _dot(w, state, _NN, p.state)
-    o = (_dot(q * read, state, _NN, p.state)
-         + _dot(a_qk, v_new, _NN, p.output))
+    o = (_dot(q * f["read"], state, _NN, p.state)
+         + _dot(f["a_qk"], v_new, _NN, p.output))
     o_ref[:, h * vd:(h + 1) * vd] = o.astype(o_ref.dtype)
-    decay = jnp.sum(jnp.where(eye_k, total, 0.0), axis=1,
-                    keepdims=True)  # [K, 1] exp(G_C), exact
-    state_ref[h] = decay * state + _dot(k * to_end, v_new, _TN, p.state)
+    decay = _column(f["total"], m.eye_k)  # [K, 1] exp(G_C), exact
+    state_ref[h] = decay * state + _dot(k * f["to_end"], v_new, _TN, p.state)
 
   @pl.when(chunk_id == pl.num_programs(1) - 1)
   def _():
     sf_ref[...] = state_ref[...]
+
+
+def _unit_upper_solve_t(a, rhs, x_ref, same_block, eye, *, nb, precision):
+  """(I + A)^-T rhs for A [C, C] strictly lower: block back substitution.
+
+  A^T comes from a HIGHEST product with the identity (exact: one term an
+  entry); its diagonal blocks are inverted by repeated squaring as in
+  `_unit_lower_solve`, and the block rows are solved last to first.
+  """
+  at = _dot(a, eye, _TN, _HIGHEST)  # A^T, strictly upper
+  d = jnp.where(same_block, at, 0.0)
+  off = at - d
+  inv, power = eye - d, d
+  for _ in range(SUB.bit_length() - 2):
+    power = _dot(power, power, _NN, precision)
+    inv = _dot(inv, eye + power, _NN, precision)
+  x_ref[...] = jnp.zeros(x_ref.shape, _F32)
+  for n in reversed(range(nb)):
+    rows = slice(SUB * n, SUB * (n + 1))
+    r = rhs[rows]
+    if n < nb - 1:
+      # off's row block n is zero up to column 16(n + 1): only the rows
+      # already solved (below) enter.
+      r = r - _dot(off[rows], x_ref[...], _NN, precision)
+    x_ref[rows, :] = r
+    x_ref[rows, :] = _dot(inv[rows], x_ref[...], _NN, precision)
+  return x_ref[...]
+
+
+def _backward_kernel(*refs, t: Tiles):
+  """One head block's chunks last to first, dX (the state's cotangent) in VMEM.
+
+  Per chunk and head it recomputes the forward's pieces from q, k, v, g,
+  beta and the chunk's incoming state X (saved by the forward), then, with
+  dO the output's and dX' the outgoing state's cotangent:
+
+      dV_new = A_qk^T dO + (exp(G_C - G) K) dX'
+      dX     = (exp(G) Q)^T dO + exp(G_C) dX' - W^T dV_new
+      [dW | dU] = [-dV_new X^T | dV_new],  dR = (I + A)^-T [dW | dU]
+      dA     = -tril_strict(dR [W | U]^T)          (A = beta S, R = beta [exp(G) K | V])
+
+  and the scores' products transposed per row block. Every factor is an
+  exponential of a row of x = E g (`exponent_matrix`), so the gradient of
+  g is one HIGHEST product dg = E^T dx, dx the factors' cotangents times
+  the factors.
+  """
+  (e_ref, q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref, dsf_ref), outs, (
+      dstate_ref, x_ref) = _split_refs(refs, 9, 6)
+  dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref = outs
+  c, kd, vd, nb, p = t.chunk, t.key_dim, t.value_dim, t.blocks, t.precision
+  step = pl.program_id(1)
+
+  @pl.when(step == 0)  # the last chunk: dX' is the final state's cotangent
+  def _():
+    dstate_ref[...] = dsf_ref[...].astype(_F32)
+
+  m = _Consts(c, kd)
+  emat = e_ref[...]
+  for h in range(t.heads_per_block):
+    kl, vl = slice(h * kd, (h + 1) * kd), slice(h * vd, (h + 1) * vd)
+    q = q_ref[:, kl].astype(_F32)
+    k = k_ref[:, kl].astype(_F32)
+    g = g_ref[:, kl].astype(_F32)
+    v = v_ref[:, vl].astype(_F32)
+    beta = _column(b_ref[h:h + 1, :].astype(_F32), m.eye_c)  # [C, 1]
+    f = _chunk_pieces(q, k, v, g, beta, emat, m, x_ref, t)
+    read, to_end, rowf, total = f["read"], f["to_end"], f["rowf"], f["total"]
+    wu = f["wu"]
+    w, u = wu[:, :kd], wu[:, kd:]
+    state = cs_ref[h]  # X, [K, V]
+    v_new = u - _dot(w, state, _NN, p.state)
+    do = do_ref[:, vl].astype(_F32)
+    dnext = dstate_ref[h]  # dX'
+    kend, qread = k * to_end, q * read
+
+    dv_new = (_dot(f["a_qk"], do, _TN, p.output)
+              + _dot(kend, dnext, _NN, p.state))
+    dstate_ref[h] = (_dot(qread, do, _TN, p.state)
+                     + _column(total, m.eye_k) * dnext
+                     - _dot(w, dv_new, _TN, p.state))
+    d_aqk = jnp.where(m.causal, _dot(do, v_new, _NT, p.output), 0.0)
+    d_qread = _dot(do, state, _NT, p.state)  # [C, K]
+    d_kend = _dot(v_new, dnext, _NT, p.state)  # [C, K]
+    d_total = _row(jnp.sum(state * dnext, axis=1, keepdims=True), m.eye_k)
+    dwu = jnp.concatenate([-_dot(dv_new, state, _NT, p.state), dv_new],
+                          axis=1)
+    dr = _unit_upper_solve_t(f["s"] * beta, dwu, x_ref, m.same_block, m.eye,
+                             nb=nb, precision=p.solve)
+    da = jnp.where(m.below, -_dot(dr, wu, _NT, p.solve), 0.0)
+    kread = read * k
+    dbeta = (jnp.sum(da * f["s"], axis=1, keepdims=True)
+             + jnp.sum(dr * jnp.concatenate([kread, v], axis=1), axis=1,
+                       keepdims=True))  # [C, 1]
+    ds = da * beta
+    dr_w = dr[:, :kd] * beta
+    dv = dr[:, kd:] * beta
+    dq = d_qread * read
+    dk = d_kend * to_end + dr_w * read
+    d_read = d_qread * q + dr_w * k
+
+    dqr_rows, dkr_rows, dcols = [], [], []
+    for n in range(nb):
+      rows = slice(SUB * n, SUB * (n + 1))
+      dsn = jnp.concatenate([d_aqk[rows], ds[rows]], axis=0)  # [2S, C]
+      lhs = jnp.concatenate([f["qr"][rows], f["kr"][rows]], axis=0)
+      kc = k * f["colfs"][n]
+      dlhs = _dot(dsn, kc, _NN, p.scores)  # [2S, K]
+      dkc = _dot(dsn, lhs, _TN, p.scores)  # [C, K]
+      dk = dk + dkc * f["colfs"][n]
+      dcols.append(dkc * kc)  # the column factors' exponents
+      dqr_rows.append(dlhs[:SUB])
+      dkr_rows.append(dlhs[SUB:])
+    dqr = jnp.concatenate(dqr_rows, axis=0)
+    dkr = jnp.concatenate(dkr_rows, axis=0)
+    dq = dq + dqr * rowf
+    dk = dk + dkr * rowf
+    dx = jnp.concatenate(
+        [d_read * read, d_kend * k * to_end, dqr * f["qr"] + dkr * f["kr"],
+         *dcols, d_total * total, jnp.zeros((7, kd), _F32)], axis=0)
+    dg = _dot(emat, dx, _TN, _HIGHEST)  # [C, K] = E^T dx
+
+    dq_ref[:, kl] = dq
+    dk_ref[:, kl] = dk
+    dv_ref[:, vl] = dv
+    dg_ref[:, kl] = dg
+    db_ref[h:h + 1, :] = _row(dbeta, m.eye_c)
+
+  @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
+  def _():
+    ds0_ref[...] = dstate_ref[...]
 
 
 def flops_per_chunk(chunk: int, key_dim: int, value_dim: int) -> int:
@@ -410,6 +576,9 @@ def kda_forward(q, k, v, g, beta, initial_state=None, *, precision,
                 segment_ids=None, interpret=False):
   """The KDA forward on prepared inputs, as one Pallas TPU kernel.
 
+  Differentiable in reverse mode (q, k, v, g, beta, initial_state): the VJP
+  is the backward kernel, fed by the chunk states the forward then saves.
+
   Args:
     q, k, g: [B, T, H, K]; q scaled (and normalised), k normalised, g the
       activated log decay, every g in [-5, 0] (see `lower_bound`).
@@ -441,74 +610,147 @@ def kda_forward(q, k, v, g, beta, initial_state=None, *, precision,
   tiles = Tiles(chunk=chunk, heads_per_block=hb, key_dim=kd, value_dim=vd,
                 has_initial_state=initial_state is not None,
                 precision=precision, interpret=bool(interpret))
-  return _forward_only(tiles, q, k, v, g, beta, initial_state)
+  return _kda(tiles, q, k, v, g, beta, initial_state)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forward_only(t: Tiles, q, k, v, g, beta, initial_state):
+def _kda(t: Tiles, q, k, v, g, beta, initial_state):
   return _forward(t, q, k, v, g, beta, initial_state)
 
 
-def _forward_only_fwd(t, q, k, v, g, beta, initial_state):
-  return _forward(t, q, k, v, g, beta, initial_state), None
+def _kda_fwd(t, q, k, v, g, beta, initial_state):
+  o, final, states = _forward(dataclasses.replace(t, save_states=True),
+                              q, k, v, g, beta, initial_state)
+  return (o, final), (q, k, v, g, beta, initial_state, states)
 
 
-def _forward_only_bwd(t, residuals, cotangents):
-  del t, residuals, cotangents
-  raise NotImplementedError(
-      "pallas_tpu.kda_forward is forward only (no backward kernel yet);"
-      " differentiate the op with backend='chunked'.")
+def _kda_bwd(t, residuals, cotangents):
+  q, k, v, g, beta, initial_state, states = residuals
+  do, dfinal = cotangents
+  dq, dk, dv, dg, dbeta, ds0 = _backward(t, q, k, v, g, beta, states, do,
+                                         dfinal)
+  cast = lambda x, like: x.astype(like.dtype)
+  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
+          cast(dbeta, beta),
+          None if initial_state is None else cast(ds0, initial_state))
 
 
-_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+def _layout(t: Tiles, b, seq, h, *, reverse=False):
+  """(n chunks, padded T, block specs) shared by the forward and backward."""
+  c, hb = t.chunk, t.heads_per_block
+  n = -(-seq // c)
+  nh = h // hb
+  at = (lambda j: n - 1 - j) if reverse else (lambda j: j)
+  tok = lambda d: pl.BlockSpec((pl.squeezed, c, hb * d),
+                               lambda i, j: (i // nh, at(j), i % nh))
+  rows = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, hb, c),
+                      lambda i, j: (i // nh, at(j), i % nh, 0, 0))
+  state = pl.BlockSpec((hb, t.key_dim, t.value_dim), lambda i, j: (i, 0, 0))
+  chunk_state = pl.BlockSpec((hb, pl.squeezed, t.key_dim, t.value_dim),
+                             lambda i, j: (i, at(j), 0, 0))
+  emat = pl.BlockSpec((t.exponent_rows, c), lambda i, j: (0, 0))
+  return n, n * c, dict(tok=tok, rows=rows, state=state,
+                        chunk_state=chunk_state, emat=emat)
+
+
+def _pad_time(tp, *xs):
+  """Zero-pads each [B, T, ...] array to T = tp (None stays None)."""
+  def pad(x):
+    if x is None or x.shape[1] == tp:
+      return x
+    return jnp.pad(x, [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+  return [pad(x) for x in xs]
+
+
+def _beta_rows(beta, n, c, nh, hb):
+  """[B, T, H] -> [B, T/C, H/hb, hb, C]: a row of C per head and chunk."""
+  b, _, h = beta.shape
+  return jnp.transpose(beta.reshape(b, n, c, h), (0, 1, 3, 2)).reshape(
+      b, n, nh, hb, c)
+
+
+def _params(t: Tiles, budget):
+  return pltpu.CompilerParams(
+      dimension_semantics=("parallel", "arbitrary"),
+      vmem_limit_bytes=int(min(max(32 * 2 ** 20, 2 * budget), 100 * 2 ** 20)))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _backward(t: Tiles, q, k, v, g, beta, states, do, dfinal):
+  b, seq, h, kd = q.shape
+  vd = v.shape[-1]
+  c, hb = t.chunk, t.heads_per_block
+  nh = h // hb
+  n, tp, spec = _layout(t, b, seq, h, reverse=True)
+  # Padding (k = v = beta = g = 0, dO = 0) adds nothing to any gradient.
+  q, k, v, g, beta, do = _pad_time(tp, q, k, v, g, beta, do)
+  flat = lambda x: x.reshape(b, tp, h * x.shape[-1])
+  tok = spec["tok"]
+  in_specs = [spec["emat"], tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
+              spec["chunk_state"], tok(vd), spec["state"]]
+  args = [jnp.asarray(exponent_matrix(c)), flat(q), flat(k), flat(v), flat(g),
+          _beta_rows(beta, n, c, nh, hb), states, flat(do),
+          dfinal.astype(_F32).reshape(b * h, kd, vd)]
+  shape = lambda d: jax.ShapeDtypeStruct((b, tp, h * d), _F32)
+  dq, dk, dv, dg, db, ds0 = pl.pallas_call(
+      functools.partial(_backward_kernel, t=t),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=0, grid=(b * nh, n), in_specs=in_specs,
+          out_specs=[tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
+                     spec["state"]],
+          scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32),
+                          pltpu.VMEM((c, kd + vd), _F32)]),
+      out_shape=[shape(kd), shape(kd), shape(vd), shape(kd),
+                 jax.ShapeDtypeStruct((b, n, nh, hb, c), _F32),
+                 jax.ShapeDtypeStruct((b * h, kd, vd), _F32)],
+      compiler_params=_params(t, 2 * vmem_bytes(t, q.dtype, g.dtype)),
+      interpret=t.interpret,
+  )(*args)
+  unflat = lambda x, d: x.reshape(b, tp, h, d)[:, :seq]
+  dbeta = jnp.transpose(db.reshape(b, n, h, c), (0, 1, 3, 2)).reshape(
+      b, tp, h)[:, :seq]
+  return (unflat(dq, kd), unflat(dk, kd), unflat(dv, vd), unflat(dg, kd),
+          dbeta, ds0.reshape(b, h, kd, vd))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _forward(t: Tiles, q, k, v, g, beta, initial_state):
+  """(o, final state[, chunk states [B*H, T/C, K, V] with t.save_states])."""
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
   c, hb = t.chunk, t.heads_per_block
-  n = -(-seq // c)
-  pad = n * c - seq
-  if pad:  # k = v = beta = 0 and g = 0: the padding leaves the state alone
-    padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    q, k, v, g, beta = map(padt, (q, k, v, g, beta))
-  tp = n * c
   nh = h // hb
+  n, tp, spec = _layout(t, b, seq, h)
+  # k = v = beta = 0 and g = 0: the padding leaves the state alone.
+  q, k, v, g, beta = _pad_time(tp, q, k, v, g, beta)
   flat = lambda x: x.reshape(b, tp, h * x.shape[-1])
-  beta_rows = jnp.transpose(beta.reshape(b, n, c, h), (0, 1, 3, 2)).reshape(
-      b, n, nh, hb, c)
-  emat = jnp.asarray(exponent_matrix(c))
-
-  tok = lambda d: pl.BlockSpec((pl.squeezed, c, hb * d),
-                               lambda i, j: (i // nh, j, i % nh))
-  state = pl.BlockSpec((hb, kd, vd), lambda i, j: (i, 0, 0))
-  in_specs = [
-      pl.BlockSpec((t.exponent_rows, c), lambda i, j: (0, 0)),
-      tok(kd), tok(kd), tok(vd), tok(kd),
-      pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, hb, c),
-                   lambda i, j: (i // nh, j, i % nh, 0, 0)),
-  ]
-  args = [emat, flat(q), flat(k), flat(v), flat(g), beta_rows]
+  tok = spec["tok"]
+  in_specs = [spec["emat"], tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
+  args = [jnp.asarray(exponent_matrix(c)), flat(q), flat(k), flat(v), flat(g),
+          _beta_rows(beta, n, c, nh, hb)]
   if t.has_initial_state:
-    in_specs.append(state)
+    in_specs.append(spec["state"])
     args.append(initial_state.astype(_F32).reshape(b * h, kd, vd))
-  budget = vmem_bytes(t, q.dtype, g.dtype)
-  o, final = pl.pallas_call(
+  out_specs = [tok(vd), spec["state"]]
+  out_shape = [jax.ShapeDtypeStruct((b, tp, h * vd), q.dtype),
+               jax.ShapeDtypeStruct((b * h, kd, vd), _F32)]
+  if t.save_states:
+    out_specs.append(spec["chunk_state"])
+    out_shape.append(jax.ShapeDtypeStruct((b * h, n, kd, vd), _F32))
+  out = pl.pallas_call(
       functools.partial(_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=0, grid=(b * nh, n), in_specs=in_specs,
-          out_specs=[tok(vd), state],
+          out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32),
                           pltpu.VMEM((c, kd + vd), _F32)]),
-      out_shape=[jax.ShapeDtypeStruct((b, tp, h * vd), q.dtype),
-                 jax.ShapeDtypeStruct((b * h, kd, vd), _F32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary"),
-          vmem_limit_bytes=int(min(max(32 * 2 ** 20, 2 * budget),
-                                   100 * 2 ** 20))),
+      out_shape=out_shape,
+      compiler_params=_params(t, vmem_bytes(t, q.dtype, g.dtype)),
       cost_estimate=cost_estimate(b, tp, h, kd, vd, q.dtype, t),
       interpret=t.interpret,
   )(*args)
-  o = o.reshape(b, tp, h, vd)[:, :seq]
-  return o, final.reshape(b, h, kd, vd)
+  o = out[0].reshape(b, tp, h, vd)[:, :seq]
+  return (o, out[1].reshape(b, h, kd, vd), *out[2:])
