@@ -82,11 +82,29 @@ def _kill_at_record(proc, path, count, rng, timeout=120.0):
     time.sleep(0.001)
 
 
-def _kill_while_checkpointing(proc, workdir, timeout=60.0):
-  """SIGKILL as soon as orbax has a checkpoint half written."""
+def _temporary_checkpoints(workdir):
+  """{path: mtime} of orbax's half-written checkpoint folders."""
+  found = {}
+  for path in glob.glob(os.path.join(workdir, "checkpoints",
+                                     "*.orbax-checkpoint-tmp*")):
+    try:
+      found[path] = os.stat(path).st_mtime_ns
+    except FileNotFoundError:  # finished (renamed) between glob and stat
+      pass
+  return found
+
+
+def _kill_while_checkpointing(proc, workdir, timeout=120.0):
+  """SIGKILL as soon as orbax has a checkpoint half written.
+
+  Only a folder this attempt created or touched counts: one left by an
+  earlier killed attempt would fire before this one had started.
+  """
+  before = _temporary_checkpoints(workdir)
   end = time.time() + timeout
   while time.time() < end and proc.poll() is None:
-    if glob.glob(os.path.join(workdir, "checkpoints", "*.orbax-checkpoint-tmp*")):
+    now = _temporary_checkpoints(workdir)
+    if any(before.get(path) != mtime for path, mtime in now.items()):
       proc.send_signal(signal.SIGKILL)
       return
     time.sleep(0.001)
@@ -116,6 +134,8 @@ def test_sigkill_at_random_moments_resumes_to_the_uninterrupted_run(
                                         total - 1), rng)
     proc.wait(timeout=300)
     log.close()
+    # Both kinds of kill wait for this attempt's own progress (a new record,
+    # a checkpoint it writes), so none lands during start-up.
     kills += proc.returncode == -signal.SIGKILL
     if proc.returncode == 0:
       break

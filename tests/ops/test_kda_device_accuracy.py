@@ -2,18 +2,18 @@
 
 The bounds the TPU-first-class work set for the op's `precision="auto"` with
 float32 inputs: output and final state within 1e-5 (relative L2) of a
-float64 recurrence, gradients within 1e-4 (g and beta 5e-4), with realistic
-gates (a_log = log U(1, 16), dt_bias at the layer's initialisation, q/k L2
-norm) at T = 1024. On a CPU float32 products are exact at any precision and
-these pass with ~100x to spare (2e-7); the test exists for `make test-tpu`,
-where the default device is the chip (measured on a v5e with the
-benchmark's harness, `benchmarks/kda_tpu.py --phase=accuracy`: lower-bound
-gate 2.1e-6 on the output, gradients <= 9.4e-6; softplus gate 1.8e-5 on the
-output before the exact diagonal's pair sums became a pinned matmul, not
-re-measured since). The output is checked against the independent NumPy
-recurrence; the gradients against the `reference` token scan in float64 on
-the host CPU (itself anchored by float64 finite differences,
-tests/ops/test_gradient_anchors.py).
+float64 recurrence, gradients within 1e-4 (g, beta and the gate parameters
+5e-4), with realistic gates (a_log = log U(1, 16), dt_bias at the layer's
+initialisation, q/k L2 norm) at T = 1024. On a CPU float32 products are
+exact at any precision and these pass with ~100x to spare (2e-7); the test
+exists for `make test-tpu`, where the default device is the chip (measured
+on a v5e with the benchmark's harness, `benchmarks/kda_tpu.py
+--phase=accuracy`: lower-bound gate 2.1e-6 on the output, gradients <=
+9.4e-6; softplus gate 1.8e-5 on the output before the exact diagonal's pair
+sums became a pinned matmul, not re-measured since). The output is checked
+against the independent NumPy recurrence; the gradients against the
+`reference` token scan in float64 on the host CPU (itself anchored by
+float64 finite differences, tests/ops/test_gradient_anchors.py).
 """
 
 import jax
@@ -26,7 +26,9 @@ from linear_attention import testing
 from tests.kda_oracle import kda_numpy
 
 B, T, H, D = 1, 1024, 2, 128
-BOUNDS = dict(q=1e-4, k=1e-4, v=1e-4, g=5e-4, beta=5e-4)
+# Every input's gradient; the gate's parameters (a_log, dt_bias) like g.
+BOUNDS = dict(q=1e-4, k=1e-4, v=1e-4, g=5e-4, beta=5e-4, a_log=5e-4,
+              dt_bias=5e-4)
 
 
 def _inputs(seed=0):
@@ -50,7 +52,7 @@ def _op(lower_bound, backend, precision):
 
 def _with_grads(f, cotangents):
   def run(*args):
-    out, vjp = jax.vjp(lambda *xs: f(*xs, *args[5:]), *args[:5])
+    out, vjp = jax.vjp(f, *args)
     return out, vjp(tuple(jnp.asarray(c, x.dtype)
                           for c, x in zip(cotangents, out)))
   return run

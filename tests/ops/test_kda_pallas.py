@@ -1,6 +1,7 @@
-"""Our Pallas TPU KDA forward (`ops/kda/pallas_tpu.py`), in interpret mode.
+"""Our Pallas TPU KDA kernels (`ops/kda/pallas_tpu.py`), in interpret mode.
 
-Outputs and final states against the float64 NumPy recurrence
+Outputs and final states against the float64 NumPy recurrence, gradients
+(the backward kernel) against the `reference` op in float64
 (`tests/kda_oracle.py`) as relative L2 errors, on prepared inputs (q scaled
 and normalised, k normalised, g the activated log decay in [-5, 0]); the
 export for TPU v5e and v6e (`jax.export` inside `mosaic.lowering_mode`,
@@ -36,17 +37,17 @@ RTOL_BF16_STATE = {"highest": 1e-6, "default": 6e-3}  # measured 5e-8, 2.7e-3
 
 
 def prepared(t, *, h=2, kd=128, vd=128, seed=0, g=(-5.0, 0.0), beta=None,
-             init=True):
+             init=True, b=1):
   """Prepared inputs: unit q (times K^-1/2) and k, g uniform in g."""
   rng = np.random.default_rng(seed)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(rng.normal(size=(1, t, h, kd))) * kd ** -0.5
-  k = unit(rng.normal(size=(1, t, h, kd)))
-  v = rng.normal(size=(1, t, h, vd))
-  gv = rng.uniform(*g, (1, t, h, kd))
-  bv = (rng.uniform(0.0, 1.0, (1, t, h)) if beta is None
-        else np.full((1, t, h), beta))
-  s0 = rng.normal(size=(1, h, kd, vd)) * 0.5 if init else None
+  q = unit(rng.normal(size=(b, t, h, kd))) * kd ** -0.5
+  k = unit(rng.normal(size=(b, t, h, kd)))
+  v = rng.normal(size=(b, t, h, vd))
+  gv = rng.uniform(*g, (b, t, h, kd))
+  bv = (rng.uniform(0.0, 1.0, (b, t, h)) if beta is None
+        else np.full((b, t, h), beta))
+  s0 = rng.normal(size=(b, h, kd, vd)) * 0.5 if init else None
   f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
   return tuple(map(f32, (q, k, v, gv, bv, s0)))
 
@@ -185,6 +186,15 @@ def test_gradients_match_the_float64_reference(t, g, beta, init, chunk):
   names = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
   for name, x, w in zip(names, grads, grads64):
     assert x.dtype == jnp.float32, name
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+
+
+def test_gradients_with_two_batch_rows_two_head_blocks_and_long_chunks():
+  # B = 2 and two head blocks: every index map's batch and head-block parts.
+  args = prepared(200, h=4, b=2, seed=8)
+  (_, grads), (_, grads64) = _grads_pair(args, chunk=128, heads_per_block=2)
+  for name, x, w in zip(("dq", "dk", "dv", "dg", "dbeta", "ds0"), grads,
+                        grads64):
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
 
 

@@ -330,10 +330,11 @@ def _unit_upper_solve_t(a, rhs, x_ref, same_block, eye, *, nb, precision):
   """(I + A)^-T rhs for A [C, C] strictly lower: block back substitution.
 
   A^T comes from a HIGHEST product with the identity (exact: one term an
-  entry); its diagonal blocks are inverted by repeated squaring as in
+  entry; I A^T, the transposed-RHS form the forward's scores use too); its
+  diagonal blocks are inverted by repeated squaring as in
   `_unit_lower_solve`, and the block rows are solved last to first.
   """
-  at = _dot(a, eye, _TN, _HIGHEST)  # A^T, strictly upper
+  at = _dot(eye, a, _NT, _HIGHEST)  # A^T, strictly upper
   d = jnp.where(same_block, at, 0.0)
   off = at - d
   inv, power = eye - d, d
@@ -370,8 +371,8 @@ def _backward_kernel(*refs, t: Tiles):
   g is one HIGHEST product dg = E^T dx, dx the factors' cotangents times
   the factors.
   """
-  (e_ref, q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref, dsf_ref), outs, (
-      dstate_ref, x_ref) = _split_refs(refs, 9, 6)
+  (e_ref, et_ref, q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
+   dsf_ref), outs, (dstate_ref, x_ref) = _split_refs(refs, 10, 6)
   dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref = outs
   c, kd, vd, nb, p = t.chunk, t.key_dim, t.value_dim, t.blocks, t.precision
   step = pl.program_id(1)
@@ -381,7 +382,8 @@ def _backward_kernel(*refs, t: Tiles):
     dstate_ref[...] = dsf_ref[...].astype(_F32)
 
   m = _Consts(c, kd)
-  emat = e_ref[...]
+  emat, emat_t = e_ref[...], et_ref[...]
+  tail = jax.lax.broadcasted_iota(jnp.int32, (8, kd), 0) == 0
   for h in range(t.heads_per_block):
     kl, vl = slice(h * kd, (h + 1) * kd), slice(h * vd, (h + 1) * vd)
     q = q_ref[:, kl].astype(_F32)
@@ -442,8 +444,8 @@ def _backward_kernel(*refs, t: Tiles):
     dk = dk + dkr * rowf
     dx = jnp.concatenate(
         [d_read * read, d_kend * k * to_end, dqr * f["qr"] + dkr * f["kr"],
-         *dcols, d_total * total, jnp.zeros((7, kd), _F32)], axis=0)
-    dg = _dot(emat, dx, _TN, _HIGHEST)  # [C, K] = E^T dx
+         *dcols, jnp.where(tail, d_total * total, 0.0)], axis=0)  # [R, K]
+    dg = _dot(emat_t, dx, _NN, _HIGHEST)  # [C, K] = E^T dx
 
     dq_ref[:, kl] = dq
     dk_ref[:, kl] = dk
@@ -689,9 +691,12 @@ def _backward(t: Tiles, q, k, v, g, beta, states, do, dfinal):
   q, k, v, g, beta, do = _pad_time(tp, q, k, v, g, beta, do)
   flat = lambda x: x.reshape(b, tp, h * x.shape[-1])
   tok = spec["tok"]
-  in_specs = [spec["emat"], tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
-              spec["chunk_state"], tok(vd), spec["state"]]
-  args = [jnp.asarray(exponent_matrix(c)), flat(q), flat(k), flat(v), flat(g),
+  emat_t = pl.BlockSpec((c, t.exponent_rows), lambda i, j: (0, 0))
+  in_specs = [spec["emat"], emat_t, tok(kd), tok(kd), tok(vd), tok(kd),
+              spec["rows"], spec["chunk_state"], tok(vd), spec["state"]]
+  emat = exponent_matrix(c)
+  args = [jnp.asarray(emat), jnp.asarray(emat.T.copy()), flat(q), flat(k),
+          flat(v), flat(g),
           _beta_rows(beta, n, c, nh, hb), states, flat(do),
           dfinal.astype(_F32).reshape(b * h, kd, vd)]
   shape = lambda d: jax.ShapeDtypeStruct((b, tp, h * d), _F32)
