@@ -192,6 +192,20 @@ def _block_scores(qr, kr, k, colfs, *, nb, precision):
   return qk_rows, kk_rows
 
 
+def _diagonal_inverse(a, same_block, eye, precision):
+  """((I + D)^-1, A - D) for D the 16 x 16 diagonal blocks of A.
+
+  A is strictly triangular, so D^16 = 0 and (I + D)^-1 = (I - D)(I + D^2)
+  (I + D^4)(I + D^8): repeated squaring, whose powers stay block diagonal.
+  """
+  d = jnp.where(same_block, a, 0.0)
+  inv, power = eye - d, d
+  for _ in range(SUB.bit_length() - 2):
+    power = _dot(power, power, _NN, precision)
+    inv = _dot(inv, eye + power, _NN, precision)
+  return inv, a - d
+
+
 def _unit_lower_solve(a, rhs, x_ref, same_block, eye, *, nb, precision):
   """(I + A)^-1 rhs for A [C, C] strictly lower, in `x_ref` (and returned).
 
@@ -199,12 +213,7 @@ def _unit_lower_solve(a, rhs, x_ref, same_block, eye, *, nb, precision):
   block diagonal D: its powers stay block diagonal), then the block rows
   are solved in order.
   """
-  d = jnp.where(same_block, a, 0.0)
-  off = a - d
-  inv, power = eye - d, d
-  for _ in range(SUB.bit_length() - 2):
-    power = _dot(power, power, _NN, precision)
-    inv = _dot(inv, eye + power, _NN, precision)
+  inv, off = _diagonal_inverse(a, same_block, eye, precision)
   x_ref[...] = jnp.zeros(x_ref.shape, _F32)
   for n in range(nb):
     rows = slice(SUB * n, SUB * (n + 1))
@@ -335,12 +344,7 @@ def _unit_upper_solve_t(a, rhs, x_ref, same_block, eye, *, nb, precision):
   `_unit_lower_solve`, and the block rows are solved last to first.
   """
   at = _dot(eye, a, _NT, _HIGHEST)  # A^T, strictly upper
-  d = jnp.where(same_block, at, 0.0)
-  off = at - d
-  inv, power = eye - d, d
-  for _ in range(SUB.bit_length() - 2):
-    power = _dot(power, power, _NN, precision)
-    inv = _dot(inv, eye + power, _NN, precision)
+  inv, off = _diagonal_inverse(at, same_block, eye, precision)
   x_ref[...] = jnp.zeros(x_ref.shape, _F32)
   for n in reversed(range(nb)):
     rows = slice(SUB * n, SUB * (n + 1))
@@ -352,6 +356,31 @@ def _unit_upper_solve_t(a, rhs, x_ref, same_block, eye, *, nb, precision):
     x_ref[rows, :] = r
     x_ref[rows, :] = _dot(inv[rows], x_ref[...], _NN, precision)
   return x_ref[...]
+
+
+def _scores_backward(d_aqk, ds, k, f, *, nb, precision):
+  """Cotangents through `_block_scores`, row block by row block.
+
+  Block n's scores are [qr; kr]_n (k colf_n)^T; with dS_n its rows of
+  (dA_qk, dS): d[qr; kr]_n = dS_n (k colf_n), d(k colf_n) = dS_n^T [qr; kr]_n.
+  Returns (dqr, dkr, dk from the columns, the column factors' exponent
+  cotangents (one [C, K] per block)).
+  """
+  dqr_rows, dkr_rows, dcols = [], [], []
+  dk = jnp.zeros(k.shape, _F32)
+  for n in range(nb):
+    rows = slice(SUB * n, SUB * (n + 1))
+    dsn = jnp.concatenate([d_aqk[rows], ds[rows]], axis=0)  # [2S, C]
+    lhs = jnp.concatenate([f["qr"][rows], f["kr"][rows]], axis=0)
+    kc = k * f["colfs"][n]
+    dlhs = _dot(dsn, kc, _NN, precision)  # [2S, K]
+    dkc = _dot(dsn, lhs, _TN, precision)  # [C, K]
+    dk = dk + dkc * f["colfs"][n]
+    dcols.append(dkc * kc)
+    dqr_rows.append(dlhs[:SUB])
+    dkr_rows.append(dlhs[SUB:])
+  return (jnp.concatenate(dqr_rows, axis=0), jnp.concatenate(dkr_rows, axis=0),
+          dk, dcols)
 
 
 def _backward_kernel(*refs, t: Tiles):
@@ -426,22 +455,10 @@ def _backward_kernel(*refs, t: Tiles):
     dk = d_kend * to_end + dr_w * read
     d_read = d_qread * q + dr_w * k
 
-    dqr_rows, dkr_rows, dcols = [], [], []
-    for n in range(nb):
-      rows = slice(SUB * n, SUB * (n + 1))
-      dsn = jnp.concatenate([d_aqk[rows], ds[rows]], axis=0)  # [2S, C]
-      lhs = jnp.concatenate([f["qr"][rows], f["kr"][rows]], axis=0)
-      kc = k * f["colfs"][n]
-      dlhs = _dot(dsn, kc, _NN, p.scores)  # [2S, K]
-      dkc = _dot(dsn, lhs, _TN, p.scores)  # [C, K]
-      dk = dk + dkc * f["colfs"][n]
-      dcols.append(dkc * kc)  # the column factors' exponents
-      dqr_rows.append(dlhs[:SUB])
-      dkr_rows.append(dlhs[SUB:])
-    dqr = jnp.concatenate(dqr_rows, axis=0)
-    dkr = jnp.concatenate(dkr_rows, axis=0)
+    dqr, dkr, dk_cols, dcols = _scores_backward(d_aqk, ds, k, f, nb=nb,
+                                                precision=p.scores)
     dq = dq + dqr * rowf
-    dk = dk + dkr * rowf
+    dk = dk + dk_cols + dkr * rowf
     dx = jnp.concatenate(
         [d_read * read, d_kend * k * to_end, dqr * f["qr"] + dkr * f["kr"],
          *dcols, jnp.where(tail, d_total * total, 0.0)], axis=0)  # [R, K]
