@@ -30,7 +30,8 @@ interrupted run keeps what it measured) and prints a markdown table.
   gate at -5): its output and final state against the float64 oracle at
   B1 T1024 H4 K128 beside `chunked` on the same inputs, then at B1 T8192
   H32 K128 float32 its time per heads-per-block setting and precision
-  against `chunked` at the same precision (both with the final state).
+  against `chunked` at the same precision (both with the final state),
+  forward and forward+backward (the backward kernel).
 * `table`: B1 T8192 H32 K128 and B8 T4096 H16 K128, bfloat16 and float32,
   ours at "default" and at "highest" precision and tokamax `xla_chunked`,
   forward and forward+backward, in ms and as a fraction of the chip's
@@ -310,17 +311,29 @@ def phase_kernel(a, save, rate):
     save(rows)
   shape = (1, 256, 4, 128) if a.smoke else (1, 8192, 32, 128)
   args = _prepared(*shape)
-  for setting in ("highest", "default"):
-    fns = {"chunked": chunked_fn(setting)}
-    for hb in (1, 2, 4):
-      fns[f"kernel_hb{hb}"] = kernel_fn(setting, hb)
-    info = _time_group(fns, args, a.repeats)
-    for name, r in info.items():
-      rows.append(dict(part="time", shape=shape, dtype="float32",
-                       mode="forward", impl=name, setting=setting,
-                       **_rates(r, shape, "forward", rate)))
-    save(rows)
+  for mode in ("forward", "forward+backward"):
+    for setting in ("highest", "default"):
+      fns = {"chunked": _kernel_mode(chunked_fn(setting), mode)}
+      for hb in (1, 2, 4):
+        fns[f"kernel_hb{hb}"] = _kernel_mode(kernel_fn(setting, hb), mode)
+      info = _time_group(fns, args, a.repeats)
+      for name, r in info.items():
+        rows.append(dict(part="time", shape=shape, dtype="float32",
+                         mode=mode, impl=name, setting=setting,
+                         **_rates(r, shape, mode, rate)))
+      save(rows)
   return rows
+
+
+def _kernel_mode(f, mode):
+  """f(q, k, v, g, beta) -> (o, state), or its gradients under a loss of o."""
+  if mode == "forward":
+    return f
+
+  def loss(*args):
+    o, state = f(*args)
+    return jnp.sum(o * jnp.cos(o)) + jnp.sum(state)
+  return jax.grad(loss, argnums=tuple(range(5)))
 
 
 def matmul_rate(n):

@@ -34,6 +34,7 @@ def test_kernel_phase_smoke_writes_errors_and_times(tmp_path):
     if r["setting"] == "highest":
       assert r["errors"]["o"] <= 1e-5 and r["errors"]["state"] <= 1e-5, r
   times = [r for r in rows if r["part"] == "time"]
-  assert {r["impl"] for r in times} == {
-      "chunked", "kernel_hb1", "kernel_hb2", "kernel_hb4"}
+  assert {(r["impl"], r["mode"]) for r in times} == {
+      (i, m) for i in ("chunked", "kernel_hb1", "kernel_hb2", "kernel_hb4")
+      for m in ("forward", "forward+backward")}
   assert all(r["ms"] > 0 for r in times), times
