@@ -285,6 +285,16 @@ def _chunk_pieces(q, k, v, g, beta, emat, m: _Consts, x_ref, t: Tiles):
               kr=kr, colfs=colfs, a_qk=a_qk, s=s, wu=wu)
 
 
+def _head_inputs(h, t: Tiles, m: _Consts, q_ref, k_ref, v_ref, g_ref, b_ref):
+  """Head h's q, k, v, g [C, *] and beta column [C, 1] of a block, float32."""
+  kl = slice(h * t.key_dim, (h + 1) * t.key_dim)
+  vl = slice(h * t.value_dim, (h + 1) * t.value_dim)
+  lanes = lambda ref, sl: ref[:, sl].astype(_F32)
+  beta = _column(b_ref[h:h + 1, :].astype(_F32), m.eye_c)
+  return (lanes(q_ref, kl), lanes(k_ref, kl), lanes(v_ref, vl),
+          lanes(g_ref, kl), beta)
+
+
 def _split_refs(refs, n_in, n_out):
   """(inputs, outputs, scratch refs) of a kernel's flat ref list."""
   return refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
@@ -312,11 +322,8 @@ def _kernel(*refs, t: Tiles):
   m = _Consts(t.chunk, kd)
   emat = e_ref[...]
   for h in range(t.heads_per_block):
-    q = q_ref[:, h * kd:(h + 1) * kd].astype(_F32)
-    k = k_ref[:, h * kd:(h + 1) * kd].astype(_F32)
-    g = g_ref[:, h * kd:(h + 1) * kd].astype(_F32)
-    v = v_ref[:, h * vd:(h + 1) * vd].astype(_F32)
-    beta = _column(b_ref[h:h + 1, :].astype(_F32), m.eye_c)  # [C, 1]
+    q, k, v, g, beta = _head_inputs(h, t, m, q_ref, k_ref, v_ref, g_ref,
+                                    b_ref)
     f = _chunk_pieces(q, k, v, g, beta, emat, m, x_ref, t)
     w, u = f["wu"][:, :kd], f["wu"][:, kd:]
 
@@ -415,11 +422,8 @@ def _backward_kernel(*refs, t: Tiles):
   tail = jax.lax.broadcasted_iota(jnp.int32, (8, kd), 0) == 0
   for h in range(t.heads_per_block):
     kl, vl = slice(h * kd, (h + 1) * kd), slice(h * vd, (h + 1) * vd)
-    q = q_ref[:, kl].astype(_F32)
-    k = k_ref[:, kl].astype(_F32)
-    g = g_ref[:, kl].astype(_F32)
-    v = v_ref[:, vl].astype(_F32)
-    beta = _column(b_ref[h:h + 1, :].astype(_F32), m.eye_c)  # [C, 1]
+    q, k, v, g, beta = _head_inputs(h, t, m, q_ref, k_ref, v_ref, g_ref,
+                                    b_ref)
     f = _chunk_pieces(q, k, v, g, beta, emat, m, x_ref, t)
     read, to_end, rowf, total = f["read"], f["to_end"], f["rowf"], f["total"]
     wu = f["wu"]
@@ -691,7 +695,7 @@ def _beta_rows(beta, n, c, nh, hb):
       b, n, nh, hb, c)
 
 
-def _params(t: Tiles, budget):
+def _params(budget):
   return pltpu.CompilerParams(
       dimension_semantics=("parallel", "arbitrary"),
       vmem_limit_bytes=int(min(max(32 * 2 ** 20, 2 * budget), 100 * 2 ** 20)))
@@ -728,7 +732,7 @@ def _backward(t: Tiles, q, k, v, g, beta, states, do, dfinal):
       out_shape=[shape(kd), shape(kd), shape(vd), shape(kd),
                  jax.ShapeDtypeStruct((b, n, nh, hb, c), _F32),
                  jax.ShapeDtypeStruct((b * h, kd, vd), _F32)],
-      compiler_params=_params(t, 2 * vmem_bytes(t, q.dtype, g.dtype)),
+      compiler_params=_params(2 * vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
   )(*args)
   unflat = lambda x, d: x.reshape(b, tp, h, d)[:, :seq]
@@ -770,7 +774,7 @@ def _forward(t: Tiles, q, k, v, g, beta, initial_state):
           scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32),
                           pltpu.VMEM((c, kd + vd), _F32)]),
       out_shape=out_shape,
-      compiler_params=_params(t, vmem_bytes(t, q.dtype, g.dtype)),
+      compiler_params=_params(vmem_bytes(t, q.dtype, g.dtype)),
       cost_estimate=cost_estimate(b, tp, h, kd, vd, q.dtype, t),
       interpret=t.interpret,
   )(*args)
