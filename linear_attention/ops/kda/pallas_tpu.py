@@ -400,7 +400,9 @@ def _backward_kernel(*refs, t: Tiles):
       dV_new = A_qk^T dO + (exp(G_C - G) K) dX'
       dX     = (exp(G) Q)^T dO + exp(G_C) dX' - W^T dV_new
       [dW | dU] = [-dV_new X^T | dV_new],  dR = (I + A)^-T [dW | dU]
-      dA     = -tril_strict(dR [W | U]^T)          (A = beta S, R = beta [exp(G) K | V])
+      dA     = -tril_strict(dR [W | U]^T)
+
+  (A = beta S, R = beta [exp(G) K | V])
 
   and the scores' products transposed per row block. Every factor is an
   exponential of a row of x = E g (`exponent_matrix`), so the gradient of
