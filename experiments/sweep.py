@@ -15,7 +15,11 @@ that did not reach its stop_at_accuracy continues from its checkpoint (a
 run's). With `--extend_step=S` too, only the runs still learning at their
 cap (`metrics.run_status`: rising at cap, or under the loss rule falling at
 cap) continue, S steps at a time, each until it is solved, plateaued (or
-converged) or at N: the compute goes where runs still learn.
+converged) or at N: the compute goes where runs still learn. With
+`--depth_first` too, each run goes to its end (first pass and every
+extension) before the next starts, so a sweep stopped part way (a session
+on a shared machine) leaves whole runs, and at most one unfinished run per
+process.
 `--list` prints the runs, whether each is done, and where each started one
 stands (step, held-out accuracy, status: `sweep_lib.progress`).
 `--recall` trains nothing: it bins the held-out accuracy of every finished
@@ -55,6 +59,10 @@ _EXTEND_STEP = flags.DEFINE_integer(
     "extend_step", None, "With --extend_to: only the runs still rising at"
     " their cap continue, this many steps at a time, until each is solved,"
     " plateaued or at --extend_to.")
+_DEPTH_FIRST = flags.DEFINE_bool(
+    "depth_first", False, "With --extend_step: take each run to its end"
+    " before the next starts (the default: every first pass, then rounds of"
+    " extensions).")
 _LIST = flags.DEFINE_bool("list", False, "Print the runs and exit.")
 _RECALL = flags.DEFINE_bool(
     "recall", False, "Train nothing; write the finished runs' accuracy"
@@ -113,7 +121,8 @@ def main(argv):
     sweep_lib.run_sweep(sweep, workdir, only=_ONLY.value,
                         code_version=_code_version(),
                         extend_to=_EXTEND_TO.value,
-                        extend_step=_EXTEND_STEP.value)
+                        extend_step=_EXTEND_STEP.value,
+                        depth_first=_DEPTH_FIRST.value)
   results = sweep_report.aggregate(
       sweep, workdir, metadata=dict(aggregated_at=_code_version()))
   print(sweep_report.results_markdown(results))  # the CLI's one output

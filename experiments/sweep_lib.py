@@ -340,7 +340,8 @@ def read_commits(run_dir: str) -> list[str]:
 def run_sweep(sweep, workdir: str, *, only: str | None = None,
               code_version: str | None = None,
               extend_to: int | None = None,
-              extend_step: int | None = None) -> list[Run]:
+              extend_step: int | None = None,
+              depth_first: bool = False) -> list[Run]:
   """Trains every unfinished run (whose name contains `only`, if given).
 
   With `extend_to`, a run's step cap is raised to at least that many steps
@@ -349,7 +350,10 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
   still learning at their cap (rising, or with the loss rule falling)
   continue, `extend_step` steps at a time (`extend_rising`), until each is
   solved, plateaued (or converged) or at `extend_to`;
-  the runs not yet trained to their sweep's cap train to it first.
+  the runs not yet trained to their sweep's cap train to it first. With
+  `depth_first` too, each run is taken to its end (first pass and every
+  extension) before the next starts: a sweep stopped part way (a session's
+  end) leaves whole runs, and at most one run per process unfinished.
 
   A run whose training fails with non-finite gradients is recorded as
   `error.json` in its directory (a divergence is a result, not a crash of
@@ -366,17 +370,32 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
                        " is extended to).")
     check_extendable(runs)  # before any first pass, not after
     check_workdir(runs, workdir)
-    trained = _train_unfinished(runs, workdir, code_version)  # first passes
-    while True:  # each round re-reads the statuses its runs finished with
-      extended = extend_rising(runs, workdir, extend_step, extend_to)
-      done_now = _train_unfinished(extended, workdir, code_version)
-      trained += done_now
-      if not done_now:  # nothing left, or what is left is another's
-        return trained
+    if depth_first:
+      return [done for run in runs for done in _train_to_the_end(
+          [run], workdir, code_version, extend_step, extend_to)]
+    return _train_to_the_end(runs, workdir, code_version, extend_step,
+                             extend_to)
+  if depth_first:
+    raise ValueError("depth_first needs extend_step (without it every run"
+                     " trains one pass to its cap, in order).")
   if extend_to is not None:
     runs = extend(runs, extend_to)
   check_workdir(runs, workdir)
   return _train_unfinished(runs, workdir, code_version)
+
+
+def _train_to_the_end(runs: Sequence[Run], workdir: str,
+                      code_version: str | None, step: int,
+                      max_steps: int) -> list[Run]:
+  """First passes of `runs`, then rounds of `extend_rising` until none of
+  them is left to train (or what is left is another process's)."""
+  trained = _train_unfinished(runs, workdir, code_version)
+  while True:  # each round re-reads the statuses its runs finished with
+    extended = extend_rising(runs, workdir, step, max_steps)
+    done_now = _train_unfinished(extended, workdir, code_version)
+    trained += done_now
+    if not done_now:
+      return trained
 
 
 def _train_unfinished(runs: Sequence[Run], workdir: str,

@@ -174,6 +174,21 @@ def test_extend_step_continues_only_the_runs_still_rising(tmp_path):
   assert not os.path.exists(tmp_path / "cosine")
 
 
+@pytest.mark.slow
+def test_depth_first_takes_each_run_to_its_end_before_the_next(tmp_path):
+  sweep = kimi_synthetic.get_config("smoke")
+  only = "stack_T32/kda_"
+  a, b = "stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"
+  trained = sweep_lib.run_sweep(sweep, str(tmp_path / "depth"), only=only,
+                                extend_to=10, extend_step=3,
+                                depth_first=True)
+  assert [(r.name, r.config.train.num_steps) for r in trained] == [
+      (a, 4), (a, 7), (a, 10), (b, 4), (b, 7), (b, 10)]
+  with pytest.raises(ValueError, match="depth_first needs extend_step"):
+    sweep_lib.run_sweep(sweep, str(tmp_path / "depth"), only=only,
+                        extend_to=10, depth_first=True)
+
+
 def test_compare_gives_a_verdict_per_cell():
   def cell(mixer, best):
     return dict(task="mqar", seq_len=64, mixer=mixer,
