@@ -14,13 +14,15 @@ whose held-out bits per byte still fall (`metrics.loss_status`: by 0.005 or
 more over the last 10% of its steps, by the least-squares line or by the
 lowest evaluation) continues EXTEND_STEP (1000) steps at a time, exactly as
 a longer run would (a constant rate), until it converges or reaches
-MAX_STEPS (6000), the cap the compute allows (one worker on a 2-core
-machine; the 800-step runs of the previous protocol trained at 0.8-1.0
-steps a second on one core, so 15 runs at the cap would take about 30
-CPU-hours, the first pass about 10):
+MAX_STEPS (6000), the cap the compute allows (two workers, one per core of
+a 2-core machine, at about 1.5 steps a second each: the first pass is
+about 6 CPU-hours, 15 runs at the cap about 17), each worker taking one
+run at a time to its end:
 
-  python -m experiments.sweep --config=configs/sweeps/text.py \
-      --workdir=workdirs/text_v3 --extend_to=6000 --extend_step=1000
+  taskset -c 0 python -m experiments.sweep --config=configs/sweeps/text.py \
+      --workdir=workdirs/text_v3 --extend_to=6000 --extend_step=1000 \
+      --depth_first &
+  taskset -c 1 python -m experiments.sweep ...  # the same flags
 
 The learning rate (1e-3) was not tuned for this task: it is the one the
 synthetic calibration found good for KDA and GDN at this width.
