@@ -45,7 +45,7 @@ def plot_bands_by_task(
     rising: Mapping[tuple[str, str], Sequence[bool]] | None = None,
     per_seed: Mapping[tuple[str, str], Sequence[Sequence[float]]]
     | None = None,
-    percent: bool = True) -> None:
+    percent: bool = True, log_y: bool = False) -> None:
   """One panel per task; per mixer a mean line with a min-max band.
 
   Args:
@@ -65,6 +65,8 @@ def plot_bands_by_task(
       other): a band cannot tell two seeds at the top from one.
     percent: the values are fractions drawn as percent on a 0-100 axis;
       False draws them as they are (a loss), on an axis fitted to them.
+    log_y: a log y axis (a loss curve from its start, several bits per
+      byte, to its tail).
   """
   # At least 7.5 inches wide: one panel still fits the title and legend.
   fig, axes = plt.subplots(1, len(tasks),
@@ -111,6 +113,8 @@ def plot_bands_by_task(
       ax.set_xticks(xs, [str(int(v)) for v in xs])
     if percent:
       ax.set_ylim(-2, 102)
+    if log_y:
+      ax.set_yscale("log")
     ax.set_title(task)
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)

@@ -787,7 +787,7 @@ def plot_by_length(results: dict[str, Any], mixers, path: str, *, key: str,
 def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
   """accuracy_vs_length.png, curves_T<len>.png for the curve length and,
   with evaluation lengths, length_generalisation.png (and, on a byte corpus,
-  bits_per_byte_vs_length.png)."""
+  bits_per_byte_vs_length.png and bits_per_byte_curves_T<len>.png)."""
   cells = results["cells"]
   tasks = sorted({c["task"] for c in cells})
   mixers = [m for m in list(sweep.mixers) + [
@@ -840,7 +840,7 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
     task_len, rest = run["name"].split("/")
     runs_by_key.setdefault((task_len, rest.rsplit("_seed", 1)[0],
                             rest.rsplit("_lr", 1)[1]), []).append(run)
-  curves = {}
+  curves, bits = {}, {}
   for c in cells:
     if c["seq_len"] != curve_len:
       continue
@@ -854,12 +854,28 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
         [r["eval_steps"] for r in runs] + [[last]]))
     ys = np.stack([_curve_on_grid(r["eval_steps"], r["eval_accuracy"], grid)
                    for r in runs])
-    curves[(c["task"], c["mixer"])] = (
-        list(grid), list(np.nanmean(ys, 0)), list(np.nanmin(ys, 0)),
-        list(np.nanmax(ys, 0)), [len(runs)] * len(grid))
+    curves[(c["task"], c["mixer"])] = _band(grid, ys)
+    if all(r.get("eval_bits") for r in runs):  # a byte corpus
+      bits[(c["task"], c["mixer"])] = _band(grid, np.stack(
+          [_curve_on_grid(r["eval_steps"], r["eval_bits"], grid)
+           for r in runs]))
   if curves:
     plotting.plot_bands_by_task(
         curves, tasks=tasks, mixers=mixers, chance=chance, log_x=False,
         xlabel="training step", ylabel="held-out accuracy (%)",
         title=f"held-out accuracy at T={curve_len} (mean, band: min-max over"
         " seeds)", path=os.path.join(workdir, f"curves_T{curve_len}.png"))
+  if bits:
+    plotting.plot_bands_by_task(
+        bits, tasks=tasks, mixers=mixers, chance={}, log_x=False,
+        log_y=True, percent=False, xlabel="training step",
+        ylabel="held-out bits per byte",
+        title=f"held-out bits per byte at T={curve_len} (mean, band: min-max"
+        " over seeds)",
+        path=os.path.join(workdir, f"bits_per_byte_curves_T{curve_len}.png"))
+
+
+def _band(grid, ys) -> tuple[list[float], ...]:
+  """(x, mean, min, max, count) over the rows of `ys` (runs) on `grid`."""
+  return (list(grid), list(np.nanmean(ys, 0)), list(np.nanmin(ys, 0)),
+          list(np.nanmax(ys, 0)), [len(ys)] * len(grid))

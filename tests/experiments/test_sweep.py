@@ -387,6 +387,9 @@ def test_smoke_sweep_aggregates_its_seeds(smoke_sweep, tmp_path):
   for name in ("results.json", "results.md", "accuracy_vs_length.png",
                "curves_T32.png"):
     assert os.path.isfile(os.path.join(workdir, name)), name
+  # Held-out bits per byte are drawn only for a byte corpus.
+  assert not os.path.exists(os.path.join(workdir,
+                                         "bits_per_byte_curves_T32.png"))
   with open(os.path.join(workdir, "results.md")) as f:
     md = f.read()
   assert "2 of 13 runs finished" in md and "| stack | 32 | kda |" in md

@@ -190,7 +190,8 @@ def test_text_sweep_reports_bits_per_byte_per_length(tmp_path):
     md = f.read()
   assert "bits per byte" in md and "| T=32 | T=64 |" in md
   assert "converged (at least 2000 steps" in md
-  assert os.path.exists(os.path.join(workdir, "bits_per_byte_vs_length.png"))
+  for name in ("bits_per_byte_vs_length.png", "bits_per_byte_curves_T32.png"):
+    assert os.path.exists(os.path.join(workdir, name)), name
 
 
 def _same_bytes_config(root, cache, lengths=(64, 128), score_last=16):
