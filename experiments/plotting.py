@@ -5,6 +5,7 @@ from typing import Mapping, Sequence
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.ticker  # pylint: disable=g-import-not-at-top,wrong-import-position
 import matplotlib.lines  # pylint: disable=g-import-not-at-top,wrong-import-position
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -113,8 +114,10 @@ def plot_bands_by_task(
       ax.set_xticks(xs, [str(int(v)) for v in xs])
     if percent:
       ax.set_ylim(-2, 102)
-    if log_y:
+    if log_y:  # ticks as plain numbers (1.5, 2, 3), not powers of ten
       ax.set_yscale("log")
+      ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+      ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_title(task)
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
