@@ -590,10 +590,15 @@ def _overview_lines(cells) -> list[str]:
   if len(mixers) < 2 or not rows:
     return []
   baselines = any(c.get("baseline_accuracy") for c in cells)
+  learning = sorted({st.split()[0] for c in cells
+                     for st in c.get("statuses") or {}
+                     if st in metrics_lib.LEARNING}, reverse=True) or [
+                         "rising"]  # "rising at cap" / "falling at cap"
   lines = ["", "## Overview: best held-out accuracy %, mean [min, max] over"
            " seeds", "",
            "(n) seeds; steps to 99% (mean) where every seed reached it; †"
-           " where a run of the cell was still rising at its cap."
+           f" where a run of the cell was still {' or '.join(learning)} at"
+           " its cap."
            + (" Baseline: a task's memory-light rule on the same held-out"
               " sets (Stack: the last value pushed onto the popped stack,"
               " POPs ignored), mean over the seeds' sets." if baselines

@@ -189,6 +189,23 @@ def test_depth_first_takes_each_run_to_its_end_before_the_next(tmp_path):
                         extend_to=10, depth_first=True)
 
 
+def test_the_overview_marks_runs_still_learning_under_their_rule():
+  def cell(mixer, statuses):
+    return dict(task="text", seq_len=256, mixer=mixer, seeds=[0, 1],
+                best_accuracy=dict(mean=0.7, min=0.6, max=0.8),
+                steps_to_99=None, num_reached_99=0, statuses=statuses,
+                chance_accuracy=1 / 256)
+  loss = "\n".join(sweep_report._overview_lines(
+      [cell("kda", {"falling at cap": 1, "converged": 1}),
+       cell("gdn", {"converged": 2})]))
+  assert "† where a run of the cell was still falling at its cap." in loss
+  assert "| text | 256 | 0.4 | 70.0 [60.0, 80.0] (2) † | 70.0 [60.0, 80.0]" \
+      " (2) |" in loss
+  accuracy = "\n".join(sweep_report._overview_lines(
+      [cell("kda", {"rising at cap": 2}), cell("gdn", {"plateaued": 2})]))
+  assert "still rising at its cap." in accuracy
+
+
 def test_compare_gives_a_verdict_per_cell():
   def cell(mixer, best):
     return dict(task="mqar", seq_len=64, mixer=mixer,
