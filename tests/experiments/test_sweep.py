@@ -657,6 +657,23 @@ def test_the_committed_kimi_results_are_their_runs_aggregate(tmp_path):
       assert name in listed, name
 
 
+def test_the_committed_text_results_are_their_runs_aggregate(tmp_path):
+  """results/text_v3/results.md is what its committed runs give (the LM
+  protocol's runs land there as they finish)."""
+  from configs.sweeps import text as text_sweep
+  src = os.path.join(REPO, "results", "text_v3")
+  workdir = str(tmp_path / "text_v3")
+  shutil.copytree(src, workdir, ignore=shutil.ignore_patterns(
+      "*.png", "results.*"))
+  sweep_report.aggregate(text_sweep.get_config(), workdir)
+  def body(path):  # all but the aggregating commit
+    with open(path) as f:
+      text = f.read()
+    return text[text.index("Runs trained at:"):]
+  assert body(os.path.join(src, "results.md")) == body(
+      os.path.join(workdir, "results.md"))
+
+
 def test_a_cell_can_set_its_own_learning_rates():
   sweep = kimi_synthetic.get_config("smoke").copy_and_resolve_references()
   sweep.unlock()
