@@ -837,9 +837,14 @@ def plot_sweep(results: dict[str, Any], sweep, workdir: str) -> None:
       " seeds, dots: seeds)",
       path=os.path.join(workdir, "accuracy_vs_length.png"),
       rising=rising, per_seed=per_seed)
-  curve_len = sweep.get("curve_seq_len")
-  if not curve_len:
-    return
+  if sweep.get("curve_seq_len"):
+    _plot_curves(results, sweep, workdir, tasks, mixers, chance)
+
+
+def _plot_curves(results, sweep, workdir, tasks, mixers, chance) -> None:
+  """curves_T<len>.png (and on a byte corpus bits_per_byte_curves_T<len>.png)
+  at the sweep's curve_seq_len: each mixer's held-out curve over seeds."""
+  cells, curve_len = results["cells"], sweep.curve_seq_len
   runs_by_key = {}
   for run in results["runs"]:
     task_len, rest = run["name"].split("/")
