@@ -464,6 +464,16 @@ def results_markdown(results: dict[str, Any]) -> str:
     lines += ["Runs trained at: " + ", ".join(
         f"{c} ({n} run{'s' if n > 1 else ''})"
         for c, n in trained_at.items()) + ".", ""]
+  trained_on: dict[str, list] = {}
+  for run in results.get("runs", ()):
+    entry = trained_on.setdefault(run.get("device") or "not recorded",
+                                  [0, 0.0])
+    entry[0] += 1
+    entry[1] += run.get("train_seconds") or 0.0
+  if trained_on:
+    lines += ["Trained on (the device of each run's last part): " + ", ".join(
+        f"{d} ({n} run{'s' if n > 1 else ''}, {sec / 3600:.2f} hours)"
+        for d, (n, sec) in trained_on.items()) + ".", ""]
   lines += [
       f"{results['num_finished']} of {results['num_runs']} runs finished;"
       f" {results['train_seconds'] / 3600:.2f} hours of training, summed"

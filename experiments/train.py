@@ -370,7 +370,14 @@ def _summary(config, task, params, log, *, last, start, wall):
       status=metrics_lib.run_status(
           log.records, rule=tr.get("status_rule", "accuracy")),
       train_seconds=metrics_lib.train_seconds(log.records),
+      device=_device_name(),
       **_fingerprint(task))
+
+
+def _device_name() -> str:
+  """What this process trained on: "cpu", "TPU v5 lite", "8 x cpu"."""
+  kind, count = jax.devices()[0].device_kind, jax.device_count()
+  return kind if count == 1 else f"{count} x {kind}"
 
 
 def _fingerprint(task) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -411,6 +412,9 @@ def test_smoke_sweep_aggregates_its_seeds(smoke_sweep, tmp_path):
     md = f.read()
   assert "2 of 13 runs finished" in md and "| stack | 32 | kda |" in md
   assert "Runs trained at: c1 (2 runs)." in md
+  # Each run records the device it trained on; the hours are split by it.
+  assert re.search(r"Trained on \(the device of each run's last part\):"
+                   r" (\d+ x )?cpu \(2 runs, \d+\.\d\d hours\)\.", md), md
   # The workdir's compute counts run directories outside the sweep too (a
   # calibration's), and every part of the sweep's own.
   spent = results["workdir_compute"]
