@@ -50,6 +50,12 @@ def restore(ckpt: ocp.CheckpointManager, step: int, params, opt_state):
   return restored["params"], restored["opt_state"]
 
 
+def has_checkpoint(run_dir: str) -> bool:
+  """Whether `run_dir` holds a checkpoint for a run to resume from."""
+  root = os.path.join(run_dir, "checkpoints")
+  return os.path.isdir(root) and any(n.isdigit() for n in os.listdir(root))
+
+
 def latest_params(run_dir: str, params, opt_state):
   """(params, step) of the run's latest checkpoint, shaped like `params`;
   ValueError naming the directory when it has none."""

@@ -49,6 +49,7 @@ from typing import Sequence
 from absl import logging
 import ml_collections
 
+from experiments import checkpoints
 from experiments import metrics as metrics_lib
 from experiments import run_lock
 from experiments import train
@@ -315,13 +316,16 @@ def check_workdir(runs: Sequence[Run], workdir: str) -> None:
 COMMITS_FILE = "commits.txt"
 
 
-def record_commit(run_dir: str, code_version: str) -> None:
+def record_commit(run_dir: str, code_version: str, *,
+                  from_scratch: bool = False) -> None:
   """Appends `code_version` to the run's commits.txt unless it is the last.
 
-  A run resumed at another commit lists both, in order.
+  A run resumed at another commit lists both, in order. A run that trains
+  again from step 0 (`from_scratch`: it has no checkpoint, e.g. a committed
+  run extended) starts a new list: none of its steps are the old code's.
   """
   path = os.path.join(run_dir, COMMITS_FILE)
-  known = read_commits(run_dir)
+  known = [] if from_scratch else read_commits(run_dir)
   if known and known[-1] == code_version:
     return
   os.makedirs(run_dir, exist_ok=True)
@@ -415,7 +419,8 @@ def _train_unfinished(runs: Sequence[Run], workdir: str,
         continue
       logging.info("Sweep run %d/%d: %s", i + 1, len(todo), run.name)
       if code_version:
-        record_commit(run_dir, code_version)
+        record_commit(run_dir, code_version,
+                      from_scratch=not checkpoints.has_checkpoint(run_dir))
       try:
         with run_lock.Lease(run_dir):
           train.train_and_evaluate(run.config, run_dir)

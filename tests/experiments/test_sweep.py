@@ -379,6 +379,15 @@ def test_smoke_sweep_trains_each_run_once_and_skips_held_ones(
   sweep_lib.record_commit(os.path.join(workdir, trained[0].name), "c2")
   assert sweep_lib.read_commits(
       os.path.join(workdir, trained[0].name)) == ["c1", "c2"]
+  # A run that trains again from step 0 (no checkpoint: a committed run
+  # extended) starts a new list.
+  run_dir = os.path.join(workdir, trained[0].name)
+  shutil.rmtree(os.path.join(run_dir, "checkpoints"))
+  os.remove(os.path.join(run_dir, "summary.json"))
+  assert [r.name for r in sweep_lib.run_sweep(
+      sweep, workdir, only=trained[0].name, code_version="c3")] == [
+          trained[0].name]
+  assert sweep_lib.read_commits(run_dir) == ["c3"]
 
 
 @pytest.mark.xdist_group("smoke_sweep")
