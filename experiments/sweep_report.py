@@ -450,14 +450,11 @@ def _stages(curriculum) -> str:
       " first)")
 
 
-def results_markdown(results: dict[str, Any]) -> str:
-  """One row per (task, length, mixer): seeds' mean [min, max]."""
-  meta = results["metadata"]
-  lines = [f"# {results['sweep']}: best held-out accuracy over seeds", ""]
-  if meta:
-    lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+def _provenance_lines(runs) -> list[str]:
+  """Where the runs came from: the commits, and the devices with their hours."""
+  lines = []
   trained_at: dict[str, int] = {}
-  for run in results.get("runs", ()):
+  for run in runs:
     for commit in run.get("commits") or ["(not recorded)"]:
       trained_at[commit] = trained_at.get(commit, 0) + 1
   if trained_at:
@@ -465,7 +462,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"{c} ({n} run{'s' if n > 1 else ''})"
         for c, n in trained_at.items()) + ".", ""]
   trained_on: dict[str, list] = {}
-  for run in results.get("runs", ()):
+  for run in runs:
     entry = trained_on.setdefault(run.get("device") or "not recorded",
                                   [0, 0.0])
     entry[0] += 1
@@ -474,6 +471,16 @@ def results_markdown(results: dict[str, Any]) -> str:
     lines += ["Trained on (the device of each run's last part): " + ", ".join(
         f"{d} ({n} run{'s' if n > 1 else ''}, {sec / 3600:.2f} hours)"
         for d, (n, sec) in trained_on.items()) + ".", ""]
+  return lines
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+  """One row per (task, length, mixer): seeds' mean [min, max]."""
+  meta = results["metadata"]
+  lines = [f"# {results['sweep']}: best held-out accuracy over seeds", ""]
+  if meta:
+    lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+  lines += _provenance_lines(results.get("runs", ()))
   lines += [
       f"{results['num_finished']} of {results['num_runs']} runs finished;"
       f" {results['train_seconds'] / 3600:.2f} hours of training, summed"
