@@ -16,6 +16,9 @@ class _DropOrbaxInfo(logging_std.Filter):
     return record.levelno > logging_std.INFO or "orbax" not in record.pathname
 
 
+SUBDIR = "checkpoints"  # a run directory's checkpoints, one folder a step
+
+
 def quiet_orbax_logs() -> None:
   """For CLIs: keep the progress log readable (call once, in main)."""
   logging.get_absl_handler().addFilter(_DropOrbaxInfo())
@@ -33,7 +36,7 @@ def manager(workdir: str, keep_steps=()) -> ocp.CheckpointManager:
       ocp.checkpoint_managers.LatestN(2),
       ocp.checkpoint_managers.CustomSteps(list(keep_steps))])
   return ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), "checkpoints"),  # orbax: absolute
+      os.path.join(os.path.abspath(workdir), SUBDIR),  # orbax: absolute
       options=ocp.CheckpointManagerOptions(preservation_policy=policy,
                                            create=True))
 
@@ -52,8 +55,13 @@ def restore(ckpt: ocp.CheckpointManager, step: int, params, opt_state):
 
 def has_checkpoint(run_dir: str) -> bool:
   """Whether `run_dir` holds a checkpoint for a run to resume from."""
-  root = os.path.join(run_dir, "checkpoints")
-  return os.path.isdir(root) and any(n.isdigit() for n in os.listdir(root))
+  if not os.path.isdir(os.path.join(run_dir, SUBDIR)):
+    return False
+  ckpt = manager(run_dir)
+  try:
+    return ckpt.latest_step() is not None
+  finally:
+    ckpt.close()
 
 
 def latest_params(run_dir: str, params, opt_state):

@@ -143,16 +143,6 @@ def recall_profile(config, run_dir: str, *,
 PROFILES_FILE = "recall_vs_lag.json"
 
 
-def _has_checkpoint(run_dir: str) -> bool:
-  if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
-    return False
-  ckpt = checkpoints.manager(run_dir)
-  try:
-    return ckpt.latest_step() is not None
-  finally:
-    ckpt.close()
-
-
 def sweep_recall_profiles(sweep, workdir: str, runs, *,
                           eval_batches: int | None = None,
                           metadata: dict[str, Any] | None = None
@@ -196,7 +186,7 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
       # Of the final step and the same held-out set: kept, and who profiled
       # it stays recorded.
       prof = {**known_metadata, **prof}
-    elif _has_checkpoint(run_dir):
+    elif checkpoints.has_checkpoint(run_dir):
       prof = {**recall_profile(run.config, run_dir,
                                eval_batches=eval_batches), **(metadata or {})}
       logging.info("Recall profile of %s: accuracy %.4f at step %d.",
