@@ -670,6 +670,19 @@ def test_the_committed_kimi_results_are_their_runs_aggregate(tmp_path):
       assert name in listed, name
 
 
+def test_the_committed_recall_profiles_are_of_the_committed_runs():
+  """Each profile in recall_vs_lag.json is of its run's final parameters: a
+  run extended or retrained after it was profiled needs profiling again."""
+  src = os.path.join(REPO, "results", "kimi_synthetic")
+  with open(os.path.join(src, "recall_vs_lag.json")) as f:
+    profiles = json.load(f)["runs"]
+  assert profiles
+  for name, profile in profiles.items():
+    with open(os.path.join(src, name, "summary.json")) as f:
+      steps = json.load(f)["steps"]
+    assert profile["step"] == steps, name
+
+
 def test_the_committed_text_results_are_their_runs_aggregate(tmp_path):
   """results/text_v3/results.md is what its committed runs give (the LM
   protocol's runs land there as they finish)."""
