@@ -20,17 +20,16 @@ about 6 CPU-hours, 15 runs at the cap about 17), each worker taking one
 run at a time to its end:
 
   taskset -c 0 python -m experiments.sweep --config=configs/sweeps/text.py \
-      --workdir=workdirs/text_v3 --extend_to=6000 --extend_step=1000 \
+      --workdir=workdirs/text --extend_to=6000 --extend_step=1000 \
       --depth_first &
   taskset -c 1 python -m experiments.sweep ...  # the same flags
 
 The learning rate (1e-3) was not tuned for this task: it is the one the
 synthetic calibration found good for KDA and GDN at this width.
 
-Results: results/text/ (README, and docs/experiments.md, Text). Until this
-protocol's runs replace them, results/text/ holds the previous protocol's
-800-step runs (2 seeds, a cosine decay, each length scoring its own
-windows; aggregated at 5017e36). Variant
+Results: results/text/ (README, and docs/experiments.md, Text; the previous
+protocol's 800-step runs are in the history, results/text/ at 013e41d).
+Variant
 `:smoke` (tests): the smoke model (2 layers), kda and a 1:1 hybrid, one
 seed.
 """

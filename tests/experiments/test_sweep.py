@@ -684,11 +684,10 @@ def test_the_committed_recall_profiles_are_of_the_committed_runs():
 
 
 def test_the_committed_text_results_are_their_runs_aggregate(tmp_path):
-  """results/text_v3/results.md is what its committed runs give (the LM
-  protocol's runs land there as they finish)."""
+  """results/text/results.md is what its committed runs give."""
   from configs.sweeps import text as text_sweep
-  src = os.path.join(REPO, "results", "text_v3")
-  workdir = str(tmp_path / "text_v3")
+  src = os.path.join(REPO, "results", "text")
+  workdir = str(tmp_path / "text")
   shutil.copytree(src, workdir, ignore=shutil.ignore_patterns(
       "*.png", "results.*"))
   sweep_report.aggregate(text_sweep.get_config(), workdir)
