@@ -684,19 +684,24 @@ def test_the_committed_recall_profiles_are_of_the_committed_runs():
 
 
 def test_the_committed_text_results_are_their_runs_aggregate(tmp_path):
-  """results/text/results.md is what its committed runs give."""
+  """results/text/results.md is what its committed runs give, and the
+  README's bits-per-byte table is its table."""
   from configs.sweeps import text as text_sweep
   src = os.path.join(REPO, "results", "text")
   workdir = str(tmp_path / "text")
   shutil.copytree(src, workdir, ignore=shutil.ignore_patterns(
-      "*.png", "results.*"))
+      "*.png", "results.*", "checkpoints"))
   sweep_report.aggregate(text_sweep.get_config(), workdir)
   def body(path):  # all but the aggregating commit
     with open(path) as f:
       text = f.read()
     return text[text.index("Runs trained at:"):]
-  assert body(os.path.join(src, "results.md")) == body(
-      os.path.join(workdir, "results.md"))
+  fresh = body(os.path.join(workdir, "results.md"))
+  assert body(os.path.join(src, "results.md")) == fresh
+  table = fresh[fresh.index("| task | T trained | mixer | parameters"):]
+  table = table[:table.index("\n\n")]
+  with open(os.path.join(REPO, "README.md")) as f:
+    assert table in f.read()
 
 
 def test_a_cell_can_set_its_own_learning_rates():
