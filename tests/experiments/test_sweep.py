@@ -637,23 +637,34 @@ def test_aggregate_picks_the_best_learning_rate_and_counts_divergence(
     assert "| 4-9 (2 at T=16 first) |" in f.read()
 
 
-def test_the_committed_kimi_results_are_their_runs_aggregate(tmp_path):
-  """results.md and the README's table are what the committed runs give."""
-  src = os.path.join(REPO, "results", "kimi_synthetic")
-  workdir = str(tmp_path / "kimi_synthetic")
+def _reaggregate_committed(name, sweep, tmp_path, readme_table):
+  """Aggregates a copy of results/<name>'s runs; checks that results.md (all
+  but the aggregating commit, which the copy lacks) is the committed one and
+  that the README holds its table starting with `readme_table`. Returns the
+  aggregate and the fresh results.md."""
+  src = os.path.join(REPO, "results", name)
+  workdir = str(tmp_path / name)
   shutil.copytree(src, workdir, ignore=shutil.ignore_patterns(
       "checkpoints", "*.png", "results.*"))
-  results = sweep_report.aggregate(kimi_synthetic.get_config(), workdir)
-  def body(path):  # all but the aggregating commit, which the copy lacks
+  results = sweep_report.aggregate(sweep, workdir)
+  def body(path):
     with open(path) as f:
       text = f.read()
     return text[text.index("Runs trained at:"):]
   fresh = body(os.path.join(workdir, "results.md"))
   assert body(os.path.join(src, "results.md")) == fresh
-  overview = fresh[fresh.index("| task | T | chance %"):]
-  overview = overview[:overview.index("\n\n")]
+  table = fresh[fresh.index(readme_table):]
+  table = table[:table.index("\n\n")]
   with open(os.path.join(REPO, "README.md")) as f:
-    assert overview in f.read()
+    assert table in f.read()
+  return results, fresh
+
+
+def test_the_committed_kimi_results_are_their_runs_aggregate(tmp_path):
+  """results.md and the README's table are what the committed runs give."""
+  results, fresh = _reaggregate_committed(
+      "kimi_synthetic", kimi_synthetic.get_config(), tmp_path,
+      "| task | T | chance %")
   # The protocol's rule: a run stops solved or plateaued, or rising only at
   # a cap of MAX_STEPS or more; results.md names every run still rising
   # below it (the extensions still to run).
@@ -684,24 +695,11 @@ def test_the_committed_recall_profiles_are_of_the_committed_runs():
 
 
 def test_the_committed_text_results_are_their_runs_aggregate(tmp_path):
-  """results/text/results.md is what its committed runs give, and the
-  README's bits-per-byte table is its table."""
+  """results/text/results.md and the README's bits-per-byte table are what
+  the committed runs give."""
   from configs.sweeps import text as text_sweep
-  src = os.path.join(REPO, "results", "text")
-  workdir = str(tmp_path / "text")
-  shutil.copytree(src, workdir, ignore=shutil.ignore_patterns(
-      "*.png", "results.*", "checkpoints"))
-  sweep_report.aggregate(text_sweep.get_config(), workdir)
-  def body(path):  # all but the aggregating commit
-    with open(path) as f:
-      text = f.read()
-    return text[text.index("Runs trained at:"):]
-  fresh = body(os.path.join(workdir, "results.md"))
-  assert body(os.path.join(src, "results.md")) == fresh
-  table = fresh[fresh.index("| task | T trained | mixer | parameters"):]
-  table = table[:table.index("\n\n")]
-  with open(os.path.join(REPO, "README.md")) as f:
-    assert table in f.read()
+  _reaggregate_committed("text", text_sweep.get_config(), tmp_path,
+                         "| task | T trained | mixer | parameters")
 
 
 def test_a_cell_can_set_its_own_learning_rates():
