@@ -8,10 +8,10 @@ run's held-out evaluations from step 2000 on (past the hybrid's drop between
 bits(0.9 N) - bits(N) < 0.005. An extrapolation of a three-parameter fit over
 one decade of steps: read it as an order of magnitude, not a prediction.
 
-Then a check of the extrapolation: KDA seed 0 continued past the cap
-(results/text/past_cap/, from its 6000-step checkpoint, on a TPU v5e, by the
-sweep's loss rule up to 12000 steps): its held-out bits per byte per 600-step
-window, the rule's two measures at 12000, and its fit's value there.
+Then a check of the extrapolation on the runs continued past the cap
+(results/text/past_cap/, each from its 6000-step checkpoint, by the sweep's
+loss rule up to 12000 steps): held-out bits per byte per 600-step window,
+the rule's two measures at the last step, and the fit's value there.
 
     .venv/bin/python docs/probes/lm_convergence_projection.py
 Output: docs/probes/lm_convergence_projection.txt. Kept as it ran.
@@ -51,23 +51,25 @@ for run in runs:
         f" {n if n else '>1e8':>9} {curve(n, a, b, c) if n else float('nan'):7.3f}"
         + ("  no floor: a < 0, the fit is log-like" if a < 0 else ""))
 
-run = os.path.join(here, "../../results/text/past_cap/text_T256/kda_seed0_lr0.001")
-with open(os.path.join(run, "metrics.jsonl")) as f:
-  evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
-s = np.array([r["step"] for r in evals], float)
-y = np.array([r["loss"] for r in evals]) / math.log(2)
-print("\nkda_seed0 past the cap: the fall of the least-squares line over each"
-      " 600-step window, and its lowest evaluation")
-for lo in range(6000, 12000, 600):
-  w = (s >= lo) & (s <= lo + 600)
-  print(f"  {lo}-{lo + 600}: fall {-np.polyfit(s[w], y[w], 1)[0] * 600:7.4f}"
-        f"  lowest {y[w].min():.4f}")
-n = s[-1]
-last, prev = s >= 0.9 * n, (s >= 0.8 * n) & (s < 0.9 * n)
-print(f"at {n:.0f}: line fall over the last tenth"
-      f" {-np.polyfit(s[last], y[last], 1)[0] * 0.1 * n:.4f}, lowest of the"
-      f" tenth before minus lowest of the last {y[prev].min() - y[last].min():.4f}"
-      f" (the rule: both < {FALL})")
-a, b, c = fits["kda_seed0_lr0.001"]
-print(f"bits per byte at {n:.0f}: {y[-1]:.4f} measured, {a + b * n ** -c:.4f}"
-      f" the fit's (its floor a = {a:.3f})")
+for run in sorted(glob.glob(os.path.join(
+    here, "../../results/text/past_cap/text_T256/*"))):
+  name = os.path.basename(run)
+  with open(os.path.join(run, "metrics.jsonl")) as f:
+    evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
+  s = np.array([r["step"] for r in evals], float)
+  y = np.array([r["loss"] for r in evals]) / math.log(2)
+  n = s[-1]
+  print(f"\n{name} past the cap, to {n:.0f}: the fall of the least-squares"
+        " line over each 600-step window, and its lowest evaluation")
+  for lo in range(6000, int(n), 600):
+    w = (s >= lo) & (s <= lo + 600)
+    print(f"  {lo}-{lo + 600}: fall {-np.polyfit(s[w], y[w], 1)[0] * 600:7.4f}"
+          f"  lowest {y[w].min():.4f}")
+  last, prev = s >= 0.9 * n, (s >= 0.8 * n) & (s < 0.9 * n)
+  print(f"at {n:.0f}: line fall over the last tenth"
+        f" {-np.polyfit(s[last], y[last], 1)[0] * 0.1 * n:.4f}, lowest of the"
+        f" tenth before minus lowest of the last"
+        f" {y[prev].min() - y[last].min():.4f} (the rule: both < {FALL})")
+  a, b, c = fits[name]
+  print(f"bits per byte at {n:.0f}: {y[-1]:.4f} measured, {a + b * n ** -c:.4f}"
+        f" the fit's (its floor a = {a:.3f})")
