@@ -24,7 +24,9 @@ import os
 import numpy as np
 from scipy import optimize
 
-FALL, FIRST = 0.005, 2000
+from experiments import metrics
+
+FALL, FIRST = metrics.CONVERGE_FALL, 2000
 here = os.path.dirname(os.path.abspath(__file__))
 runs = sorted(glob.glob(os.path.join(here, "../../results/text/text_T256/*")))
 fits = {}
@@ -65,11 +67,13 @@ for run in sorted(glob.glob(os.path.join(
     w = (s >= lo) & (s <= lo + 600)
     print(f"  {lo}-{lo + 600}: fall {-np.polyfit(s[w], y[w], 1)[0] * 600:7.4f}"
           f"  lowest {y[w].min():.4f}")
-  last, prev = s >= 0.9 * n, (s >= 0.8 * n) & (s < 0.9 * n)
-  print(f"at {n:.0f}: line fall over the last tenth"
-        f" {-np.polyfit(s[last], y[last], 1)[0] * 0.1 * n:.4f}, lowest of the"
-        f" tenth before minus lowest of the last"
-        f" {y[prev].min() - y[last].min():.4f} (the rule: both < {FALL})")
+  # The rule's own two measures (experiments/metrics.py) on this run.
+  line, lowest = metrics._window_change(  # pylint: disable=protected-access
+      [dict(step=r["step"], minus_bits=-r["loss"] / math.log(2))
+       for r in evals], "minus_bits", metrics.CONVERGE_FRACTION)
+  print(f"at {n:.0f}: line fall over the last tenth {line:.4f}, lowest of the"
+        f" tenth before minus lowest of the last {lowest:.4f} (the rule: both"
+        f" < {FALL}): {metrics.loss_status(evals)}")
   a, b, c = fits[name]
   print(f"bits per byte at {n:.0f}: {y[-1]:.4f} measured, {a + b * n ** -c:.4f}"
         f" the fit's (its floor a = {a:.3f})")
