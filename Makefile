@@ -1,6 +1,8 @@
 # Two commands do all set-up on a fresh machine with python3.12 on the PATH:
 #   make experiment   # the default experiment (creates .venv when missing)
 #   make test         # the test suite (creates .venv when missing)
+# Both install the locked, tested versions (requirements/lock.txt);
+# `make lock` refreshes the lock (JAX=<version> picks the JAX it pins).
 PYTHON ?= python3.12
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,15 +10,21 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs
 PYTHON_TPU ?= $(BIN)/python
 
-.PHONY: test test-tpu experiment venv clean
+.PHONY: test test-tpu experiment venv lock clean
 
 venv: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): setup.py requirements/lock.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -r requirements/lock.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+# Rewrites requirements/lock.txt and lock-tpu.txt from a throwaway venv.
+JAX ?= 0.12.0.1
+lock:
+	JAX=$(JAX) PYTHON=$(PYTHON) requirements/refresh.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=20 tests
