@@ -29,12 +29,13 @@ lock:
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=20 tests
 
-# On a TPU host (after `pip install -e '.[tpu,test]'`): the suite in one
-# process on the chip (one process holds it), compiled programs cached on
-# disk; per-test outcomes in tpu-tests.xml. Multi-device tests skip there.
+# On a TPU host (after `pip install -r requirements/lock-tpu.txt` and
+# `pip install --no-deps -e .`): the suite on the chip in one process, piece
+# by piece (tests/tpu.sh; PIECES=ops_kda runs one), compiled programs cached
+# on disk; per-piece outcomes in tpu-tests-<piece>.xml.
+PIECES ?=
 test-tpu:
-	JAX_PLATFORMS=tpu,cpu JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$$HOME/.cache/linear_attention/jax_compilation_cache} \
-	  $(PYTHON_TPU) -m pytest -p no:xdist -q -rs --durations=20 --junitxml=tpu-tests.xml tests
+	PYTHON=$(PYTHON_TPU) tests/tpu.sh $(PIECES)
 
 experiment: $(STAMP)
 	$(BIN)/python -m experiments.ablate --config=configs/mqar.py --mixers=kda,kda_zeroed --workdir=$(WORKDIR)/mqar_ablation

@@ -1,0 +1,240 @@
+r"""Where a KDA call's time goes on a TPU: a profile of each implementation.
+
+    python -m benchmarks.kda_tpu_profile --out=DIR                 # on a TPU host
+    python -m benchmarks.kda_tpu_profile --summarize=TRACE.json.gz  # any host
+
+For each implementation (`--impls`) and pass (`--passes`: forward, and
+forward+backward by `jax.grad` of a scalar of the output) at one shape, the
+script compiles the call, runs it once untimed, then records `--calls` calls
+under `jax.profiler.trace` into `DIR/<impl>_<pass>/`. It reads the Chrome
+trace the profiler writes there (`plugins/profile/*/*.trace.json.gz`) and
+sums the device's time per op name over the recorded calls: Pallas kernels
+(`tpu_custom_call`s) by their kernel name, XLA fusions, copies (relayouts)
+and the rest by their HLO name. `DIR/kda_tpu_profile.json` gets, per
+implementation and pass, the device time per call, the busy fraction of the
+calls' wall time, and the ops that take it, largest first (written after
+each profile, so an interrupted run keeps what it measured); a markdown
+table is printed. `--summarize` applies the same reading to a trace file.
+
+Implementations, all on the same raw inputs (`kda_tpu.inputs`: the fused
+lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
+
+* `chunked`: the op's XLA chunked backend at `precision="auto"`;
+* `kernel`: our Pallas kernel (`pallas_tpu.kda_forward`, with its backward
+  kernel under `jax.grad`) after the op's own preparation in XLA (gates,
+  L2 norm, scale);
+* `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import platform
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import kda_speed
+from benchmarks import kda_tpu
+from linear_attention.ops.kda import gates
+from linear_attention.ops.kda import pallas_tpu
+from linear_attention.ops.kda import precision as precision_lib
+
+IMPLS = ("chunked", "kernel", "tokamax_mosaic")
+PASSES = ("fwd", "fwd_bwd")
+
+
+def kernel_op(heads_per_block=None):
+  """f(q, k, v, g, beta, a_log, dt_bias) -> o through our Pallas kernel."""
+  interpret = jax.devices()[0].platform != "tpu"
+
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    d = q.shape[-1]
+    dtype = q.dtype
+    qn = gates.l2_normalize(q, dtype=jnp.float32) * d ** -0.5
+    kn = gates.l2_normalize(k, dtype=jnp.float32)
+    gl = gates.kda_log_decay(g, a_log, dt_bias, -5.0, dtype=jnp.float32)
+    o, _ = pallas_tpu.kda_forward(
+        qn.astype(dtype), kn.astype(dtype), v, gl, beta.astype(jnp.float32),
+        precision=precision_lib.resolve("auto", dtype),
+        heads_per_block=heads_per_block, lower_bound=-5.0,
+        interpret=interpret)
+    return o
+  return f
+
+
+def implementation(name):
+  if name == "chunked":
+    return kda_tpu.op("chunked")
+  if name == "kernel":
+    return kernel_op()
+  if name == "tokamax_mosaic":
+    return kda_tpu.tokamax_mosaic()
+  raise ValueError(f"--impls: unknown implementation {name!r}; allowed: "
+                   f"{', '.join(IMPLS)}")
+
+
+def with_pass(f, pass_name):
+  if pass_name == "fwd":
+    return f
+  if pass_name == "fwd_bwd":
+    grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2),
+                     argnums=(0, 1, 2, 3, 4))
+    return grads
+  raise ValueError(f"--passes: unknown pass {pass_name!r}; allowed: "
+                   f"{', '.join(PASSES)}")
+
+
+def _events(trace):
+  """(process names, thread names, complete events) of a Chrome trace."""
+  procs, threads, spans = {}, {}, []
+  for e in trace.get("traceEvents", []):
+    ph = e.get("ph")
+    if ph == "M" and e.get("name") == "process_name":
+      procs[e["pid"]] = e.get("args", {}).get("name", "")
+    elif ph == "M" and e.get("name") == "thread_name":
+      threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    elif ph == "X":
+      spans.append(e)
+  return procs, threads, spans
+
+
+def summarize(path, calls=1):
+  """Device time per op of one trace file, in microseconds per call.
+
+  Device planes are the processes whose name holds "TPU" (or "GPU");
+  on those, the "XLA Ops" line holds one span per executed op (a Pallas
+  kernel is one custom-call op), "XLA Modules" one per program.
+  """
+  with gzip.open(path, "rt") as fh:
+    trace = json.load(fh)
+  procs, threads, spans = _events(trace)
+  device = {p for p, n in procs.items()
+            if ("TPU" in n or "GPU" in n) and "host" not in n.lower()}
+  per_line = collections.defaultdict(float)
+  ops = collections.defaultdict(lambda: [0.0, 0])
+  modules = collections.defaultdict(float)
+  first, last = None, None
+  for e in spans:
+    if e["pid"] not in device:
+      continue
+    line = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+    dur = float(e.get("dur", 0.0))
+    per_line[line] += dur
+    if line == "XLA Ops":
+      name = e.get("name", "?")
+      ops[name][0] += dur
+      ops[name][1] += 1
+      ts = float(e.get("ts", 0.0))
+      first = ts if first is None else min(first, ts)
+      last = ts + dur if last is None else max(last, ts + dur)
+    elif line == "XLA Modules":
+      modules[e.get("name", "?")] += dur
+  busy = sum(v[0] for v in ops.values())
+  rows = sorted(((n, t / calls, c // max(calls, 1)) for n, (t, c) in
+                 ops.items()), key=lambda r: -r[1])
+  return dict(
+      device_planes=sorted(procs[p] for p in device),
+      lines_us=dict(sorted(per_line.items())),
+      modules_us_per_call={k: v / calls for k, v in modules.items()},
+      ops_busy_us_per_call=busy / calls,
+      ops_span_us_per_call=((last - first) / calls) if ops else 0.0,
+      ops=[dict(name=n, us_per_call=round(t, 2), count_per_call=c)
+           for n, t, c in rows])
+
+
+def _trace_file(logdir):
+  found = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*",
+                                        "*.trace.json.gz")))
+  if not found:
+    raise FileNotFoundError(f"no *.trace.json.gz under {logdir}/plugins/profile")
+  return found[-1]
+
+
+def profile_one(fn, args, logdir, calls):
+  f = jax.jit(fn)
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  compile_s = time.perf_counter() - t0
+  jax.block_until_ready(f(*args))
+  walls = []
+  with jax.profiler.trace(logdir):
+    for _ in range(calls):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      walls.append(time.perf_counter() - t0)
+  s = summarize(_trace_file(logdir), calls)
+  s["compile_and_first_call_s"] = round(compile_s, 3)
+  s["wall_ms_per_call"] = [round(w * 1e3, 3) for w in walls]
+  return s
+
+
+def markdown(results, top):
+  out = []
+  for key, s in results.items():
+    if "error" in s:
+      out.append(f"### {key}: error\n\n{s['error'][:300]}\n")
+      continue
+    wall = statistics.median(s["wall_ms_per_call"])
+    out.append(f"### {key}: device busy {s['ops_busy_us_per_call'] / 1e3:.3f}"
+               f" ms/call, op span {s['ops_span_us_per_call'] / 1e3:.3f} ms,"
+               f" wall {wall:.3f} ms\n")
+    out.append("| op | us/call | count/call | share |\n|---|---:|---:|---:|")
+    busy = s["ops_busy_us_per_call"] or 1.0
+    for r in s["ops"][:top]:
+      out.append(f"| `{r['name'][:60]}` | {r['us_per_call']:.1f} |"
+                 f" {r['count_per_call']} | {100 * r['us_per_call'] / busy:.1f}% |")
+    out.append("")
+  return "\n".join(out)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default="kda_tpu_profile")
+  p.add_argument("--shape", default="1,8192,32,128", help="B,T,H,K (K = V)")
+  p.add_argument("--dtype", default="bfloat16",
+                 choices=("bfloat16", "float32"))
+  p.add_argument("--impls", default=",".join(IMPLS))
+  p.add_argument("--passes", default=",".join(PASSES))
+  p.add_argument("--calls", type=int, default=3)
+  p.add_argument("--top", type=int, default=15)
+  p.add_argument("--summarize", default=None,
+                 help="a *.trace.json.gz to read instead of profiling")
+  a = p.parse_args()
+  if a.summarize:
+    s = summarize(a.summarize)
+    print(json.dumps({k: v for k, v in s.items() if k != "ops"}, indent=1))
+    print(markdown({a.summarize: dict(s, wall_ms_per_call=[0.0])}, a.top))
+    return
+  if a.calls < 1:
+    raise SystemExit("--calls: must be >= 1")
+  shape = tuple(int(x) for x in a.shape.split(","))
+  if len(shape) != 4:
+    raise SystemExit("--shape: four integers B,T,H,K")
+  os.makedirs(a.out, exist_ok=True)
+  args = kda_tpu.inputs(*shape, dtype=a.dtype)
+  results = {}
+  meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+              host=platform.node(), shape=shape, dtype=a.dtype,
+              calls=a.calls)
+  for impl in a.impls.split(","):
+    for pass_name in a.passes.split(","):
+      key = f"{impl}_{pass_name}"
+      try:
+        results[key] = profile_one(with_pass(implementation(impl), pass_name),
+                                   args, os.path.join(a.out, key), a.calls)
+      except Exception as e:  # pylint: disable=broad-except
+        results[key] = dict(error=repr(e)[:2000] + traceback.format_exc()[-3000:])
+      with open(os.path.join(a.out, "kda_tpu_profile.json"), "w") as fh:
+        json.dump(dict(meta=meta, results=results), fh, indent=1)
+  print(markdown(results, a.top))
+
+
+if __name__ == "__main__":
+  main()

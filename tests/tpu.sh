@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The suite on a TPU host, in pieces that each run in under 10 minutes on one
+# TPU v5e chip (docs/tpu.md has the measured times):
+#   tests/tpu.sh [PIECE ...]     (no PIECE: every piece in turn)
+#   tests/tpu.sh --list          (the test paths of all pieces)
+# One process holds the chip, so pytest runs without xdist. Compiled programs
+# are cached on disk between pieces; each piece writes its own JUnit file.
+# Environment: PYTHON (default .venv/bin/python), TPU_JUNIT_DIR (default .),
+# JAX_COMPILATION_CACHE_DIR (default ~/.cache/linear_attention/...).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python="${PYTHON:-.venv/bin/python}"
+junit_dir="${TPU_JUNIT_DIR:-.}"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-tpu,cpu}"
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$HOME/.cache/linear_attention/jax_compilation_cache}"
+
+paths() {
+  case "$1" in
+    ops_kda) echo tests/ops/test_kda.py tests/ops/test_kda_precision.py \
+      tests/ops/test_kda_pallas.py ;;
+    ops_more) echo tests/ops/test_kda_chunk_states.py \
+      tests/ops/test_kda_chunked_naive.py tests/ops/test_kda_device_accuracy.py \
+      tests/ops/test_kda_export.py tests/ops/test_kda_gates.py \
+      tests/ops/test_kda_linalg.py tests/ops/test_backends.py \
+      tests/ops/test_gradient_anchors.py ;;
+    ops_random) echo tests/ops/test_kda_randomized.py \
+      tests/ops/test_kda_regressions.py ;;
+    ops_csa) echo tests/ops/test_csa.py tests/ops/test_short_conv.py \
+      tests/modules/test_csa_indexer.py tests/modules/test_short_conv.py ;;
+    modules) echo tests/modules/test_kda.py tests/parallel tests/test_*.py ;;
+    experiments_a) echo tests/experiments/test_export_tpu.py \
+      tests/experiments/test_faults.py tests/experiments/test_generation.py \
+      tests/experiments/test_model.py tests/experiments/test_multiprocess.py \
+      tests/experiments/test_recall.py tests/experiments/test_compilation_cache.py \
+      tests/experiments/test_distributed.py ;;
+    experiments_b) echo tests/experiments/test_run.py \
+      tests/experiments/test_run_lock.py tests/experiments/test_schedules.py \
+      tests/experiments/test_tasks.py tests/experiments/test_text.py ;;
+    experiments_sweep) echo tests/experiments/test_sweep.py ;;
+    *) return 1 ;;
+  esac
+}
+ALL="ops_kda ops_more ops_random ops_csa modules experiments_a experiments_b experiments_sweep"
+
+if [ "${1:-}" = "--list" ]; then  # every piece's test files, one a line
+  for piece in $ALL; do paths "$piece"; done | tr ' ' '\n'
+  exit 0
+fi
+
+status=0
+for piece in ${*:-$ALL}; do
+  if ! files=$(paths "$piece"); then
+    echo "tests/tpu.sh: unknown piece '$piece'; pieces: $ALL" >&2
+    exit 2
+  fi
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  "$python" -m pytest -p no:xdist -q -rs --durations=10 \
+    --junitxml="$junit_dir/tpu-tests-$piece.xml" $files
+  rc=$?
+  echo "tests/tpu.sh: piece $piece exit $rc in $(( $(date +%s) - start )) s"
+  [ "$rc" -eq 0 ] || status=$rc
+done
+exit $status
