@@ -1,0 +1,267 @@
+r"""Where our Pallas KDA forward kernel spends its time, piece by piece.
+
+    python -m benchmarks.kda_tpu_parts --out=DIR     # on a TPU host
+
+A profile names the kernel's total time only (one `tpu_custom_call`), so
+this script times kernels that run *parts* of the forward kernel's body
+(`pallas_tpu._kernel`) on its grid, blocks and inputs: the same
+(B*H/hb, T/C) grid, the same [C, hb*K] blocks, the same per-head loop, and
+an output that depends on every part computed (so nothing is dropped). Each
+variant is a set of parts:
+
+* `exponents`: how the exponent factors are made. `E_highest` is the
+  kernel's own (the constant matrix E [(3 + C/16) C + 8, C] times g at
+  HIGHEST); `E_split3` the same sums from three bfloat16 pieces of g at one
+  pass each (exact: E is exact in bfloat16); `cumsum` one [C, C] lower
+  triangle times g in three bfloat16 pieces, the factors then formed on the
+  vector unit (as many exponentials as the kernel takes);
+* `scores`: A_qk and A_kk by 16-token row blocks (`_block_scores`), masked;
+* `solve`: `blocks` is the kernel's (16 x 16 diagonal inverses by squaring,
+  then block substitution); `square64` inverts the whole 64 x 64 unit
+  lower-triangular matrix by six squarings and multiplies once;
+* `state`: the chunk-to-chunk part (V_new = U - W X, O = (Q exp G) X +
+  A_qk V_new, X' = exp(G_C) X + (K exp(G_C - G))^T V_new), with W = k and
+  U = v when the solve is not run.
+
+Matmuls run at the op's "auto" precision for the input dtype (one bfloat16
+pass for bfloat16), as `pallas_tpu.kda_forward` does. Times are medians of
+`--repeats` calls after a warm call (the kernel is the whole program but for
+the input reshapes, which every variant shares); `full` is the kernel
+itself. Writes `DIR/kda_tpu_parts.json` after each variant.
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+import traceback
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import kda_tpu
+from linear_attention.ops import backends
+from linear_attention.ops.kda import pallas_tpu as pt
+from linear_attention.ops.kda import precision as precision_lib
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+# name: (exponents, scores, solve, state)
+VARIANTS = {
+    "io": ("none", False, "none", False),
+    "exp_E_highest": ("E_highest", False, "none", False),
+    "exp_E_split3": ("E_split3", False, "none", False),
+    "exp_cumsum": ("cumsum", False, "none", False),
+    "exp+scores": ("E_highest", True, "none", False),
+    "exp+scores+solve_blocks": ("E_highest", True, "blocks", False),
+    "exp+scores+solve_square64": ("E_highest", True, "square64", False),
+    "state_only": ("none", False, "none", True),
+    "all_parts": ("E_highest", True, "blocks", True),
+    "full": None,
+}
+
+
+def _split3(x):
+  """x = a + b + c with a, b, c bfloat16 (exact for float32 x)."""
+  a = x.astype(BF16)
+  r = x - a.astype(F32)
+  b = r.astype(BF16)
+  c = (r - b.astype(F32)).astype(BF16)
+  return a, b, c
+
+
+def _dot1(a, b, dims):
+  return jax.lax.dot_general(a.astype(BF16), b.astype(BF16), dims,
+                             preferred_element_type=F32)
+
+
+def _exponents(kind, g, emat, tril, t, m):
+  """(read, to_end, rowf, total [1, K], colfs) as the kernel uses them."""
+  c, nb = t.chunk, t.blocks
+  if kind == "E_highest":
+    x = jax.lax.dot_general(emat, g, pt._NN, precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=F32)
+  elif kind == "E_split3":
+    e16 = emat.astype(BF16)
+    x = sum(_dot1(e16, piece, pt._NN) for piece in _split3(g))
+  else:  # cumsum: G by one triangle, the rest on the vector unit
+    big = sum(_dot1(tril, piece, pt._NN) for piece in _split3(g))
+    tot = big[c - 1:c]
+    half = 0.5 * tot
+    x = jnp.concatenate([big, tot - big, big - half]
+                        + [half - big] * nb + [jnp.broadcast_to(tot, (8, big.shape[1]))],
+                        axis=0)
+  read = jnp.exp(x[0:c])
+  to_end = jnp.exp(x[c:2 * c])
+  rowf = jnp.exp(x[2 * c:3 * c])
+  total = jnp.exp(x[(3 + nb) * c:(3 + nb) * c + 1])
+  colfs = [jnp.where(m.token < pt.SUB * (n + 1),
+                     jnp.exp(x[(3 + n) * c:(4 + n) * c]), 0.0)
+           for n in range(nb)]
+  return read, to_end, rowf, total, colfs
+
+
+def _square64(a, eye):
+  """(I + A)^-1 for A [C, C] strictly lower: six squarings (A^64 = 0)."""
+  inv, power = eye - a, a
+  for _ in range(5):
+    power = _dot1(power, power, pt._NN)
+    inv = _dot1(inv, eye + power, pt._NN)
+  return inv
+
+
+def _parts_kernel(e_ref, tril_ref, q_ref, k_ref, v_ref, g_ref, b_ref, o_ref,
+                  sf_ref, state_ref, x_ref, *, t, parts):
+  exponents, scores, solve, with_state = parts
+  kd, vd, c = t.key_dim, t.value_dim, t.chunk
+  chunk_id = pl.program_id(1)
+
+  @pl.when(chunk_id == 0)
+  def _():
+    state_ref[...] = jnp.zeros(state_ref.shape, F32)
+
+  m = pt._Consts(c, kd)
+  emat, tril = e_ref[...], tril_ref[...]
+  for h in range(t.heads_per_block):
+    q, k, v, g, beta = pt._head_inputs(h, t, m, q_ref, k_ref, v_ref, g_ref,
+                                       b_ref)
+    acc = q
+    read = to_end = jnp.ones_like(q)
+    total = jnp.ones((1, kd), F32)
+    a_qk = jnp.where(m.causal, 1.0, 0.0)
+    w, u = k, v
+    if exponents != "none":
+      read, to_end, rowf, total, colfs = _exponents(exponents, g, emat, tril,
+                                                    t, m)
+      acc = acc * read + to_end + rowf + sum(colfs)
+      if scores:
+        qk_rows, kk_rows = pt._block_scores(q * rowf, k * rowf, k, colfs,
+                                            nb=t.blocks,
+                                            precision=t.precision.scores)
+        a_qk = jnp.where(m.causal, jnp.concatenate(qk_rows, axis=0), 0.0)
+        s = jnp.where(m.below, jnp.concatenate(kk_rows, axis=0), 0.0)
+        acc = acc + jnp.sum(a_qk, axis=1, keepdims=True)
+        if solve != "none":
+          rhs = jnp.concatenate([read * k, v], axis=1) * beta
+          if solve == "blocks":
+            wu = pt._unit_lower_solve(s * beta, rhs, x_ref, m.same_block,
+                                      m.eye, nb=t.blocks,
+                                      precision=t.precision.solve)
+          else:
+            wu = _dot1(_square64(s * beta, m.eye), rhs, pt._NN)
+          w, u = wu[:, :kd], wu[:, kd:]
+          acc = acc + w
+    if with_state:
+      state = state_ref[h]
+      v_new = u - _dot1(w, state, pt._NN)
+      o = _dot1(q * read, state, pt._NN) + _dot1(a_qk, v_new, pt._NN)
+      decay = pt._column(total, m.eye_k)
+      state_ref[h] = decay * state + _dot1(k * to_end, v_new, pt._TN)
+      acc = acc + o
+    o_ref[:, h * vd:(h + 1) * vd] = acc[:, :vd].astype(o_ref.dtype)
+
+  @pl.when(chunk_id == pl.num_programs(1) - 1)
+  def _():
+    sf_ref[...] = state_ref[...]
+
+
+def parts_fn(parts, heads_per_block=4):
+  """f(q, k, v, g, beta) -> (o, state) running `parts` of the kernel body."""
+  def f(q, k, v, g, beta):
+    b, seq, h, kd = q.shape
+    vd = v.shape[-1]
+    t = pt.Tiles(chunk=64, heads_per_block=heads_per_block, key_dim=kd,
+                 value_dim=vd, has_initial_state=False,
+                 precision=precision_lib.resolve("auto", q.dtype),
+                 interpret=backends.target_platform() != "tpu")
+    c, hb = t.chunk, t.heads_per_block
+    nh = h // hb
+    n, _, spec = pt._layout(t, b, seq, h)
+    flat = lambda x: x.reshape(b, seq, h * x.shape[-1])
+    tok = spec["tok"]
+    tril = np.tril(np.ones((c, c), np.float32)).astype(jnp.bfloat16)
+    in_specs = [spec["emat"], pl.BlockSpec((c, c), lambda i, j: (0, 0)),
+                tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
+    out = pl.pallas_call(
+        functools.partial(_parts_kernel, t=t, parts=parts),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=(b * nh, n), in_specs=in_specs,
+            out_specs=[tok(vd), spec["state"]],
+            scratch_shapes=[pltpu.VMEM((hb, kd, vd), F32),
+                            pltpu.VMEM((c, kd + vd), F32)]),
+        out_shape=[jax.ShapeDtypeStruct((b, seq, h * vd), q.dtype),
+                   jax.ShapeDtypeStruct((b * h, kd, vd), F32)],
+        compiler_params=pt._params(pt.vmem_bytes(t, q.dtype, g.dtype)),
+        interpret=t.interpret,
+    )(jnp.asarray(pt.exponent_matrix(c)), jnp.asarray(tril), flat(q),
+      flat(k), flat(v), flat(g), pt._beta_rows(beta, n, c, nh, hb))
+    return out[0].reshape(b, seq, h, vd), out[1]
+  return f
+
+
+def full_fn(heads_per_block=4):
+  def f(q, k, v, g, beta):
+    interpret = backends.target_platform() != "tpu"
+    return pt.kda_forward(q, k, v, g, beta,
+                          precision=precision_lib.resolve("auto", q.dtype),
+                          heads_per_block=heads_per_block, lower_bound=-5.0,
+                          interpret=interpret)
+  return f
+
+
+def time_ms(fn, args, repeats):
+  f = jax.jit(fn)
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  compile_s = time.perf_counter() - t0
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), compile_s
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default="kda_tpu_parts")
+  p.add_argument("--shape", default="1,8192,32,128", help="B,T,H,K (K = V)")
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  p.add_argument("--heads_per_block", type=int, default=4)
+  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--repeats", type=int, default=5)
+  a = p.parse_args()
+  shape = tuple(int(x) for x in a.shape.split(","))
+  args = kda_tpu._prepared(*shape, dtype=a.dtype)
+  os.makedirs(a.out, exist_ok=True)
+  rows = []
+  for name in a.variants.split(","):
+    if name not in VARIANTS:
+      raise SystemExit(f"--variants: unknown {name!r}; allowed: {', '.join(VARIANTS)}")
+    parts = VARIANTS[name]
+    fn = (full_fn(a.heads_per_block) if parts is None
+          else parts_fn(parts, a.heads_per_block))
+    try:
+      ms, compile_s = time_ms(fn, args, a.repeats)
+      rows.append(dict(variant=name, parts=parts, ms=round(ms, 3),
+                       compile_s=round(compile_s, 1)))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(dict(variant=name, parts=parts,
+                       error=repr(e)[:1500] + traceback.format_exc()[-1500:]))
+    print(rows[-1], flush=True)
+    with open(os.path.join(a.out, "kda_tpu_parts.json"), "w") as fh:
+      json.dump(dict(device=str(jax.devices()[0].device_kind),
+                     jax=jax.__version__, shape=shape, dtype=a.dtype,
+                     heads_per_block=a.heads_per_block, rows=rows), fh,
+                indent=1)
+
+
+if __name__ == "__main__":
+  main()
