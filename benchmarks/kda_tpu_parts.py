@@ -19,6 +19,8 @@ variant is a set of parts:
 * `solve`: `blocks` is the kernel's (16 x 16 diagonal inverses by squaring,
   then block substitution); `square64` inverts the whole 64 x 64 unit
   lower-triangular matrix by six squarings and multiplies once;
+* `batched_hb<n>`: the batched-heads forward (`pallas_batched.kda_forward`)
+  with n heads a grid step, whole;
 * `state`: the chunk-to-chunk part (V_new = U - W X, O = (Q exp G) X +
   A_qk V_new, X' = exp(G_C) X + (K exp(G_C - G))^T V_new), with W = k and
   U = v when the solve is not run.
@@ -46,6 +48,7 @@ import numpy as np
 
 from benchmarks import kda_tpu
 from linear_attention.ops import backends
+from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu as pt
 from linear_attention.ops.kda import precision as precision_lib
 
@@ -64,6 +67,9 @@ VARIANTS = {
     "state_only": ("none", False, "none", True),
     "all_parts": ("E_highest", True, "blocks", True),
     "full": None,
+    "batched_hb4": 4,
+    "batched_hb8": 8,
+    "batched_hb16": 16,
 }
 
 
@@ -205,6 +211,55 @@ def parts_fn(parts, heads_per_block=4):
   return f
 
 
+def batched_fn(heads_per_block):
+  def f(q, k, v, g, beta):
+    interpret = backends.target_platform() != "tpu"
+    return pallas_batched.kda_forward(
+        q, k, v, g, beta, precision=precision_lib.resolve("auto", q.dtype),
+        heads_per_block=heads_per_block, lower_bound=-5.0,
+        interpret=interpret)
+  return f
+
+
+def accuracy(shape=(1, 1024, 4, 128)):
+  """Relative L2 error of both kernels against the float64 recurrence."""
+  rows = []
+  args = kda_tpu._prepared(*shape, dtype="float32")
+  want = [np.asarray(x, np.float64) for x in
+          kda_oracle_numpy(*[np.asarray(a, np.float64) for a in args])]
+  for dtype in ("float32", "bfloat16"):
+    xs = list(args)
+    if dtype == "bfloat16":
+      xs[:3] = [x.astype(jnp.bfloat16) for x in xs[:3]]
+    for setting in (("highest", "default") if dtype == "float32"
+                    else ("auto",)):
+      p = precision_lib.resolve(setting, xs[0].dtype)
+      for name, fn in (("kernel", pt.kda_forward),
+                       ("batched", pallas_batched.kda_forward)):
+        o, s = jax.jit(functools.partial(
+            fn, precision=p, lower_bound=-5.0,
+            interpret=backends.target_platform() != "tpu"))(*xs)
+        err = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b)
+                                 / np.linalg.norm(b))
+        rows.append(dict(kernel=name, dtype=dtype, precision=setting,
+                         out=err(o, want[0]), state=err(s, want[1])))
+  return rows
+
+
+def kda_oracle_numpy(q, k, v, g, beta):
+  """The float64 token recurrence (q already scaled): (o, final state)."""
+  b, t, h, kd = q.shape
+  s = np.zeros((b, h, kd, v.shape[-1]))
+  o = np.zeros(v.shape)
+  for i in range(t):
+    s = s * np.exp(g[:, i])[..., None]
+    pred = np.einsum("bhk,bhkv->bhv", k[:, i], s)
+    s = s + np.einsum("bhk,bhv->bhkv", k[:, i],
+                      beta[:, i][..., None] * (v[:, i] - pred))
+    o[:, i] = np.einsum("bhk,bhkv->bhv", q[:, i], s)
+  return o, s
+
+
 def full_fn(heads_per_block=4):
   def f(q, k, v, g, beta):
     interpret = backends.target_platform() != "tpu"
@@ -237,17 +292,26 @@ def main():
   p.add_argument("--heads_per_block", type=int, default=4)
   p.add_argument("--variants", default=",".join(VARIANTS))
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--accuracy", action="store_true",
+                 help="also both kernels against the float64 recurrence")
   a = p.parse_args()
   shape = tuple(int(x) for x in a.shape.split(","))
   args = kda_tpu._prepared(*shape, dtype=a.dtype)
   os.makedirs(a.out, exist_ok=True)
   rows = []
+  if a.accuracy:
+    rows.append(dict(variant="accuracy", rows=accuracy()))
+    print(rows[-1], flush=True)
   for name in a.variants.split(","):
     if name not in VARIANTS:
       raise SystemExit(f"--variants: unknown {name!r}; allowed: {', '.join(VARIANTS)}")
     parts = VARIANTS[name]
-    fn = (full_fn(a.heads_per_block) if parts is None
-          else parts_fn(parts, a.heads_per_block))
+    if parts is None:
+      fn = full_fn(a.heads_per_block)
+    elif isinstance(parts, int):
+      fn = batched_fn(parts)
+    else:
+      fn = parts_fn(parts, a.heads_per_block)
     try:
       ms, compile_s = time_ms(fn, args, a.repeats)
       rows.append(dict(variant=name, parts=parts, ms=round(ms, 3),

@@ -23,6 +23,8 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
 * `kernel`: our Pallas kernel (`pallas_tpu.kda_forward`, with its backward
   kernel under `jax.grad`) after the op's own preparation in XLA (gates,
   L2 norm, scale);
+* `batched`: the same with the batched-heads forward
+  (`pallas_batched.kda_forward`; forward only);
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 """
 
@@ -43,14 +45,15 @@ import jax.numpy as jnp
 from benchmarks import kda_speed
 from benchmarks import kda_tpu
 from linear_attention.ops.kda import gates
+from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu
 from linear_attention.ops.kda import precision as precision_lib
 
-IMPLS = ("chunked", "kernel", "tokamax_mosaic")
+IMPLS = ("chunked", "kernel", "batched", "tokamax_mosaic")
 PASSES = ("fwd", "fwd_bwd")
 
 
-def kernel_op(heads_per_block=None):
+def kernel_op(heads_per_block=None, forward=pallas_tpu.kda_forward):
   """f(q, k, v, g, beta, a_log, dt_bias) -> o through our Pallas kernel."""
   interpret = jax.devices()[0].platform != "tpu"
 
@@ -60,7 +63,7 @@ def kernel_op(heads_per_block=None):
     qn = gates.l2_normalize(q, dtype=jnp.float32) * d ** -0.5
     kn = gates.l2_normalize(k, dtype=jnp.float32)
     gl = gates.kda_log_decay(g, a_log, dt_bias, -5.0, dtype=jnp.float32)
-    o, _ = pallas_tpu.kda_forward(
+    o, _ = forward(
         qn.astype(dtype), kn.astype(dtype), v, gl, beta.astype(jnp.float32),
         precision=precision_lib.resolve("auto", dtype),
         heads_per_block=heads_per_block, lower_bound=-5.0,
@@ -74,6 +77,8 @@ def implementation(name):
     return kda_tpu.op("chunked")
   if name == "kernel":
     return kernel_op()
+  if name == "batched":
+    return kernel_op(forward=pallas_batched.kda_forward)
   if name == "tokamax_mosaic":
     return kda_tpu.tokamax_mosaic()
   raise ValueError(f"--impls: unknown implementation {name!r}; allowed: "
