@@ -112,9 +112,10 @@ def _range_sums(g, c):
   shift = SUB.bit_length() - 1
   same = jax.lax.shift_right_logical(i, shift) == jax.lax.shift_right_logical(
       j, shift)
-  m = jnp.where(r < c, j <= i,
-                jnp.where(r < 2 * c, j > i, same & (j <= i)))
-  m = jnp.where(m, 1.0, 0.0).astype(_BF16)
+  one = lambda cond: jnp.where(cond, 1.0, 0.0)  # (no selects on booleans)
+  m = jnp.where(r < c, one(j <= i),
+                jnp.where(r < 2 * c, one(j > i), one(same & (j <= i))))
+  m = m.astype(_BF16)
   pieces = _split3(g)
   out = jax.lax.dot_general(m, pieces[0], (((1,), (0,)), ((), ())),
                             preferred_element_type=_F32)
