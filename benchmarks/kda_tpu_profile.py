@@ -8,7 +8,7 @@ forward+backward by `jax.grad` of a scalar of the output) at one shape, the
 script compiles the call, runs it once untimed, then records `--calls` calls
 under `jax.profiler.trace` into `DIR/<impl>_<pass>/`. It reads the Chrome
 trace the profiler writes there (`plugins/profile/*/*.trace.json.gz`) and
-sums the device's time per op name over the recorded calls: Pallas kernels
+sums the device's exclusive time per op name over the recorded calls: Pallas kernels
 (`tpu_custom_call`s) by their kernel name, XLA fusions, copies (relayouts)
 and the rest by their HLO name. `DIR/kda_tpu_profile.json` gets, per
 implementation and pass, the device time per call, the busy fraction of the
@@ -110,12 +110,29 @@ def _events(trace):
   return procs, threads, spans
 
 
+def _exclusive(spans):
+  """[(span, exclusive us, depth)]: ops nested in another (a loop's body in
+  its `while`) are subtracted from their parent and counted once."""
+  out, stack = [], []
+  for e in sorted(spans, key=lambda e: (float(e["ts"]), -float(e["dur"]))):
+    start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+    while stack and start >= stack[-1][1] - 1e-6:
+      stack.pop()
+    rec = [e, float(e["dur"]), len(stack)]
+    if stack:
+      stack[-1][2][1] -= float(e["dur"])
+    out.append(rec)
+    stack.append((start, end, rec))
+  return out
+
+
 def summarize(path, calls=1):
   """Device time per op of one trace file, in microseconds per call.
 
-  Device planes are the processes whose name holds "TPU" (or "GPU");
-  on those, the "XLA Ops" line holds one span per executed op (a Pallas
-  kernel is one custom-call op), "XLA Modules" one per program.
+  Device planes are the processes whose name holds "TPU" (or "GPU"); on
+  those, the "XLA Ops" line holds one span per executed op (a Pallas kernel
+  is one custom-call op; a loop's body ops lie inside its `while` span, so
+  each op is counted by its exclusive time), "XLA Modules" one per program.
   """
   with gzip.open(path, "rt") as fh:
     trace = json.load(fh)
@@ -124,24 +141,28 @@ def summarize(path, calls=1):
             if ("TPU" in n or "GPU" in n) and "host" not in n.lower()}
   per_line = collections.defaultdict(float)
   ops = collections.defaultdict(lambda: [0.0, 0])
+  categories = collections.defaultdict(float)
   modules = collections.defaultdict(float)
-  first, last = None, None
+  op_spans = []
   for e in spans:
     if e["pid"] not in device:
       continue
     line = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
-    dur = float(e.get("dur", 0.0))
-    per_line[line] += dur
+    per_line[line] += float(e.get("dur", 0.0))
     if line == "XLA Ops":
-      name = e.get("name", "?")
-      ops[name][0] += dur
-      ops[name][1] += 1
-      ts = float(e.get("ts", 0.0))
-      first = ts if first is None else min(first, ts)
-      last = ts + dur if last is None else max(last, ts + dur)
+      op_spans.append(e)
     elif line == "XLA Modules":
-      modules[e.get("name", "?")] += dur
-  busy = sum(v[0] for v in ops.values())
+      modules[e.get("name", "?")] += float(e.get("dur", 0.0))
+  first = min((float(e["ts"]) for e in op_spans), default=0.0)
+  last = max((float(e["ts"]) + float(e["dur"]) for e in op_spans),
+             default=0.0)
+  busy = 0.0
+  for e, excl, _ in _exclusive(op_spans):
+    name = e.get("name", "?")
+    ops[name][0] += excl
+    ops[name][1] += 1
+    categories[e.get("args", {}).get("hlo_category", "?")] += excl
+    busy += excl
   rows = sorted(((n, t / calls, c // max(calls, 1)) for n, (t, c) in
                  ops.items()), key=lambda r: -r[1])
   return dict(
@@ -149,7 +170,9 @@ def summarize(path, calls=1):
       lines_us=dict(sorted(per_line.items())),
       modules_us_per_call={k: v / calls for k, v in modules.items()},
       ops_busy_us_per_call=busy / calls,
-      ops_span_us_per_call=((last - first) / calls) if ops else 0.0,
+      ops_span_us_per_call=(last - first) / calls,
+      categories_us_per_call={k: round(v / calls, 2) for k, v in
+                              sorted(categories.items(), key=lambda kv: -kv[1])},
       ops=[dict(name=n, us_per_call=round(t, 2), count_per_call=c)
            for n, t, c in rows])
 
@@ -207,13 +230,14 @@ def main():
                  choices=("bfloat16", "float32"))
   p.add_argument("--impls", default=",".join(IMPLS))
   p.add_argument("--passes", default=",".join(PASSES))
-  p.add_argument("--calls", type=int, default=3)
+  p.add_argument("--calls", type=int, default=3,
+                 help="calls recorded (with --summarize: in the trace read)")
   p.add_argument("--top", type=int, default=15)
   p.add_argument("--summarize", default=None,
                  help="a *.trace.json.gz to read instead of profiling")
   a = p.parse_args()
   if a.summarize:
-    s = summarize(a.summarize)
+    s = summarize(a.summarize, a.calls)
     print(json.dumps({k: v for k, v in s.items() if k != "ops"}, indent=1))
     print(markdown({a.summarize: dict(s, wall_ms_per_call=[0.0])}, a.top))
     return
