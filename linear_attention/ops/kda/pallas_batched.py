@@ -75,6 +75,7 @@ class Config:
   has_initial_state: bool
   precision: Precisions
   interpret: bool
+  save_states: bool = False  # also output each chunk's incoming state
 
   @property
   def blocks(self) -> int:
@@ -98,16 +99,15 @@ def _split3(x):
   return a, b, (r - b.astype(_F32)).astype(_BF16)
 
 
-def _range_sums(g, c):
-  """[3C, N] float32: prefix, suffix and 16-token local prefix sums of g.
+def _range_matrix(c, transpose=False):
+  """[3C, C] 0/1 (bfloat16, exact): prefix, suffix and 16-token local sums.
 
   Rows [0, C): sum over [0, i]; [C, 2C): sum over (i, C); [2C, 3C): sum over
-  [16 floor(i / 16), i]. One [3C, C] 0/1 matrix (built from iotas) times g
-  in three bfloat16 pieces: every product is exact and the sums accumulate
-  in float32, as at HIGHEST, at half its passes.
+  [16 floor(i / 16), i]. Built from iotas; `transpose` gives [C, 3C].
   """
-  r = jax.lax.broadcasted_iota(jnp.int32, (3 * c, c), 0)
-  j = jax.lax.broadcasted_iota(jnp.int32, (3 * c, c), 1)
+  shape = (c, 3 * c) if transpose else (3 * c, c)
+  r = jax.lax.broadcasted_iota(jnp.int32, shape, 1 if transpose else 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, shape, 0 if transpose else 1)
   i = r % c
   shift = SUB.bit_length() - 1
   same = jax.lax.shift_right_logical(i, shift) == jax.lax.shift_right_logical(
@@ -115,13 +115,32 @@ def _range_sums(g, c):
   one = lambda cond: jnp.where(cond, 1.0, 0.0)  # (no selects on booleans)
   m = jnp.where(r < c, one(j <= i),
                 jnp.where(r < 2 * c, one(j > i), one(same & (j <= i))))
-  m = m.astype(_BF16)
-  pieces = _split3(g)
-  out = jax.lax.dot_general(m, pieces[0], (((1,), (0,)), ((), ())),
+  return m.astype(_BF16)
+
+
+def _exact_dot(m, x):
+  """m @ x for m exact in bfloat16: x in three bfloat16 pieces, so every
+  product is exact and the sums accumulate in float32 (HIGHEST's result at
+  half its passes)."""
+  out = None
+  for piece in _split3(x):
+    y = jax.lax.dot_general(m, piece, (((1,), (0,)), ((), ())),
                             preferred_element_type=_F32)
-  for p in pieces[1:]:
-    out = out + jax.lax.dot_general(m, p, (((1,), (0,)), ((), ())),
-                                    preferred_element_type=_F32)
+    out = y if out is None else out + y
+  return out
+
+
+def _block_rows(parts, n_lanes):
+  """[C, N] whose 16-row block m is the row parts[m] [1, N], repeated."""
+  return jnp.concatenate([jnp.broadcast_to(p, (SUB, n_lanes)) for p in parts],
+                         axis=0)
+
+
+def _between(totals, halves, m, n):
+  """h_n + T_{m+1} + ... + T_{n-1} (block totals added, never subtracted)."""
+  out = halves[n]
+  for p in range(m + 1, n):
+    out = out + totals[p]
   return out
 
 
@@ -134,17 +153,17 @@ def _factors(g, c, nb):
   L the local prefix sums, T_m block m's total and h_n = T_n / 2:
   rowf[i] = exp(L_i - h_n); colfs[n][j] = exp(h_n - L_j) in block n,
   exp(h_n + T_{m+1} + ... + T_{n-1} + (T_m - L_j)) in an earlier block m,
-  and 0 after block n.
+  and 0 after block n. Every exponent of a row factor or of block n's own
+  column factors lies in [-40, 40] when g >= -5, and earlier blocks' are
+  <= 0: no factor overflows.
   """
-  x = _range_sums(g, c)
+  x = _exact_dot(_range_matrix(c), g)
   big, suffix, local = x[:c], x[c:2 * c], x[2 * c:]
   n_lanes = g.shape[1]
   totals = [local[SUB * m + SUB - 1:SUB * m + SUB] for m in range(nb)]
   halves = [0.5 * t for t in totals]
-  rows = lambda parts: jnp.concatenate(
-      [jnp.broadcast_to(p, (SUB, n_lanes)) for p in parts], axis=0)
-  rowf = jnp.exp(local - rows(halves))
-  tail = rows(totals) - local  # sum over (j, end of j's block]
+  rowf = jnp.exp(local - _block_rows(halves, n_lanes))
+  tail = _block_rows(totals, n_lanes) - local  # sum over (j, end of block]
   colfs = []
   for n in range(nb):
     pieces = []
@@ -152,17 +171,51 @@ def _factors(g, c, nb):
       sl = slice(SUB * m, SUB * (m + 1))
       if m > n:
         pieces.append(jnp.zeros((SUB, n_lanes), _F32))
-        continue
-      if m == n:
+      elif m == n:
         pieces.append(jnp.exp(halves[n] - local[sl]))
-        continue
-      between = halves[n]
-      for p in range(m + 1, n):
-        between = between + totals[p]
-      pieces.append(jnp.exp(between + tail[sl]))
+      else:
+        pieces.append(jnp.exp(_between(totals, halves, m, n) + tail[sl]))
     colfs.append(jnp.concatenate(pieces, axis=0))
   return dict(read=jnp.exp(big), to_end=jnp.exp(suffix),
               total=jnp.exp(big[c - 1:c]), rowf=rowf, colfs=colfs)
+
+
+def _factors_backward(f, d, c, nb):
+  """dg [C, N] from the cotangents d of `_factors`' outputs.
+
+  Each factor is exp(e) for an exponent e built from the range sums
+  (big, suffix, local); d e = d factor * factor flows back to the range
+  sums through the block totals, and dg = M^T d[big; suffix; local] for the
+  range-sum matrix M (`_range_matrix`). The halves h_n are constants: every
+  product rowf[i] * colfs[n][j] is free of h_n, so its exact cotangent is
+  zero (summing the rows' and the columns' large, opposite terms would only
+  add rounding).
+  """
+  n_lanes = f["read"].shape[1]
+  row = jax.lax.broadcasted_iota(jnp.int32, (c, n_lanes), 0)
+  rowsum = lambda x, m: jnp.sum(x[SUB * m:SUB * (m + 1)], axis=0,
+                                keepdims=True)
+  d_big = d["read"] * f["read"] + jnp.where(row == c - 1,
+                                            d["total"] * f["total"], 0.0)
+  d_suffix = d["to_end"] * f["to_end"]
+  d_local = d["rowf"] * f["rowf"]
+  d_totals = [jnp.zeros((1, n_lanes), _F32) for _ in range(nb)]
+  d_tail = jnp.zeros((c, n_lanes), _F32)
+  for n in range(nb):
+    e = d["colfs"][n] * f["colfs"][n]  # zero after block n
+    for m in range(n):
+      em = rowsum(e, m)
+      for p in range(m + 1, n):
+        d_totals[p] = d_totals[p] + em
+    d_tail = d_tail + jnp.where(row < SUB * n, e, 0.0)
+    d_local = d_local - jnp.where(row // SUB == n, e, 0.0)
+  # tail = rows(totals) - local, totals[m] = local[16m + 15].
+  d_local = d_local - d_tail
+  for m in range(nb):
+    d_tm = d_totals[m] + rowsum(d_tail, m)
+    d_local = d_local + jnp.where(row == SUB * m + SUB - 1, d_tm, 0.0)
+  dx = jnp.concatenate([d_big, d_suffix, d_local], axis=0)  # [3C, N]
+  return _exact_dot(_range_matrix(c, transpose=True), dx)
 
 
 def _heads(x, hb, d):
@@ -170,47 +223,122 @@ def _heads(x, hb, d):
   return jnp.stack([x[:, h * d:(h + 1) * d] for h in range(hb)], axis=0)
 
 
+def _lanes(x):
+  """[hb, C, d] -> [C, hb*d], the inverse of `_heads`."""
+  return jnp.concatenate([x[h] for h in range(x.shape[0])], axis=1)
+
+
+def _eye(n):
+  return (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+          == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
+
+
 def _column(rows, n):
   """[hb, 1, n] -> [hb, n, 1] by a masked lane reduction (exact)."""
-  eye = (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-         == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
-  return jnp.sum(jnp.where(eye[None], rows, 0.0), axis=2, keepdims=True)
+  return jnp.sum(jnp.where(_eye(n)[None], rows, 0.0), axis=2, keepdims=True)
 
 
-def _solve(a, rhs, c, nb, precision):
-  """(I + A)^-1 rhs for A [hb, C, C] strictly lower, batched over hb."""
+def _row(columns, n):
+  """[hb, n, 1] -> [hb, 1, n] by a masked sublane reduction (exact)."""
+  return jnp.sum(jnp.where(_eye(n)[None], columns, 0.0), axis=1,
+                 keepdims=True)
+
+
+def _tri_masks(c):
   ri = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
   ci = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
   shift = SUB.bit_length() - 1
   same = (jax.lax.shift_right_logical(ri, shift)
-          == jax.lax.shift_right_logical(ci, shift))[None]
-  eye = jnp.where(ri == ci, 1.0, 0.0).astype(_F32)[None]
-  d = jnp.where(same, a, 0.0)
-  off = a - d
+          == jax.lax.shift_right_logical(ci, shift))
+  return dict(causal=(ri >= ci)[None], below=(ri > ci)[None], same=same[None],
+              eye=jnp.where(ri == ci, 1.0, 0.0).astype(_F32)[None])
+
+
+def _solve_factors(a, masks, nb, precision):
+  """(inv, [G, G^2, ...]) with (I + A)^-1 = (I + G)^-1 inv, batched.
+
+  inv = (I + D)^-1 for D the 16 x 16 diagonal blocks of A (strictly lower),
+  by repeated squaring ((I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8),
+  D^16 = 0), and G = inv F for the off-diagonal part F: block strictly
+  lower, so G^nb = 0 and (I + G)^-1 = (I - G)(I + G^2)...(I + G^(nb/2)).
+  """
+  eye = masks["eye"]
+  d = jnp.where(masks["same"], a, 0.0)
   inv, power = eye - d, d
-  for _ in range(SUB.bit_length() - 2):  # D^16 = 0
+  for _ in range(SUB.bit_length() - 2):
     power = _dot(power, power, _BATCH_NN, precision)
     inv = _dot(inv, eye + power, _BATCH_NN, precision)
+  powers = []
+  if nb > 1:
+    gm = _dot(inv, a - d, _BATCH_NN, precision)
+    powers.append(gm)
+    for _ in range(nb.bit_length() - 2):
+      gm = _dot(gm, gm, _BATCH_NN, precision)
+      powers.append(gm)
+  return inv, powers
+
+
+def _solve(inv, powers, rhs, precision):
+  """(I + A)^-1 rhs from `_solve_factors`."""
   x = _dot(inv, rhs, _BATCH_NN, precision)
-  if nb == 1:
-    return x
-  gm = _dot(inv, off, _BATCH_NN, precision)  # block strictly lower
-  x = x - _dot(gm, x, _BATCH_NN, precision)
-  levels = nb.bit_length() - 1  # G^nb = 0: (I - G)(I + G^2)...(I + G^(nb/2))
-  for _ in range(levels - 1):
-    gm = _dot(gm, gm, _BATCH_NN, precision)
-    x = x + _dot(gm, x, _BATCH_NN, precision)
+  for i, gm in enumerate(powers):
+    gx = _dot(gm, x, _BATCH_NN, precision)
+    x = x - gx if i == 0 else x + gx
   return x
 
 
-def _kernel(*refs, t: Config):
-  if t.has_initial_state:
-    q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, sf_ref, state_ref = refs
-  else:
-    q_ref, k_ref, v_ref, g_ref, b_ref, o_ref, sf_ref, state_ref = refs
-    s0_ref = None
+def _solve_transposed(inv, powers, rhs, precision):
+  """(I + A)^-T rhs = inv^T (I + G^T)^-1 rhs, from `_solve_factors`."""
+  t = lambda m: jnp.swapaxes(m, 1, 2)
+  y = rhs
+  for i, gm in enumerate(powers):
+    gy = _dot(t(gm), y, _BATCH_NN, precision)
+    y = y - gy if i == 0 else y + gy
+  return _dot(t(inv), y, _BATCH_NN, precision)
+
+
+def _chunk(q2, k2, v2, g2, brow, t: "Config", masks):
+  """One chunk up to the UT transform, for the hb heads of a grid step.
+
+  q2, k2, g2 [C, hb*K], v2 [C, hb*V] float32, brow [hb, C] (beta rows).
+  Returns the factors `f`, the per-head (q|k) row-factored scores' inputs,
+  the masked scores a_qk (causal) and s (strictly lower, before beta), the
+  beta column [hb, C, 1], the solve's factors and wu = [W | U].
+  """
   c, hb, kd, vd, nb = (t.chunk, t.heads_per_block, t.key_dim, t.value_dim,
                        t.blocks)
+  p = t.precision
+  f = _factors(g2, c, nb)
+  kh = lambda x: _heads(x, hb, kd)
+  qr, kr = kh(q2 * f["rowf"]), kh(k2 * f["rowf"])
+  kcs = [kh(k2 * cf) for cf in f["colfs"]]
+  qk_rows, kk_rows = [], []
+  for n in range(nb):
+    rows = slice(SUB * n, SUB * (n + 1))
+    lhs = jnp.concatenate([qr[:, rows], kr[:, rows]], axis=1)  # [hb, 2S, K]
+    s = _dot(lhs, kcs[n], _BATCH_NT, p.scores)  # [hb, 2S, C]
+    qk_rows.append(s[:, :SUB])
+    kk_rows.append(s[:, SUB:])
+  a_qk = jnp.where(masks["causal"], jnp.concatenate(qk_rows, axis=1), 0.0)
+  s_kk = jnp.where(masks["below"], jnp.concatenate(kk_rows, axis=1), 0.0)
+  beta = _column(brow[:, None, :], c)  # [hb, C, 1]
+  kread, v3 = kh(k2 * f["read"]), _heads(v2, hb, vd)
+  rhs = jnp.concatenate([kread, v3], axis=2) * beta
+  inv, powers = _solve_factors(beta * s_kk, masks, nb, p.solve)
+  wu = _solve(inv, powers, rhs, p.solve)  # [hb, C, K + V]
+  return dict(f=f, qr=qr, kr=kr, kcs=kcs, a_qk=a_qk, s_kk=s_kk, beta=beta,
+              kread=kread, v3=v3, inv=inv, powers=powers, wu=wu)
+
+
+def _kernel(*refs, t: Config):
+  n_in = 6 if t.has_initial_state else 5
+  n_out = 3 if t.save_states else 2
+  q_ref, k_ref, v_ref, g_ref, b_ref = refs[:5]
+  s0_ref = refs[5] if t.has_initial_state else None
+  o_ref, sf_ref = refs[n_in:n_in + 2]
+  cs_ref = refs[n_in + 2] if t.save_states else None
+  state_ref = refs[n_in + n_out]
+  c, hb, kd = t.chunk, t.heads_per_block, t.key_dim
   p = t.precision
   chunk_id = pl.program_id(1)
 
@@ -221,35 +349,19 @@ def _kernel(*refs, t: Config):
     else:
       state_ref[...] = s0_ref[...].astype(_F32)
 
-  q2 = q_ref[...].astype(_F32)
-  k2 = k_ref[...].astype(_F32)
-  f = _factors(g_ref[...].astype(_F32), c, nb)
-  kh = lambda x: _heads(x, hb, kd)
-  qr, kr = kh(q2 * f["rowf"]), kh(k2 * f["rowf"])
-  qk_rows, kk_rows = [], []
-  for n in range(nb):
-    rows = slice(SUB * n, SUB * (n + 1))
-    lhs = jnp.concatenate([qr[:, rows], kr[:, rows]], axis=1)  # [hb, 2S, K]
-    s = _dot(lhs, kh(k2 * f["colfs"][n]), _BATCH_NT, p.scores)  # [hb, 2S, C]
-    qk_rows.append(s[:, :SUB])
-    kk_rows.append(s[:, SUB:])
-  ri = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  ci = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  a_qk = jnp.where((ri >= ci)[None], jnp.concatenate(qk_rows, axis=1), 0.0)
-  s_kk = jnp.where((ri > ci)[None], jnp.concatenate(kk_rows, axis=1), 0.0)
-
-  beta = _column(b_ref[...].astype(_F32)[:, None, :], c)  # [hb, C, 1]
-  rhs = jnp.concatenate([kh(k2 * f["read"]), _heads(v_ref[...].astype(_F32),
-                                                    hb, vd)], axis=2) * beta
-  wu = _solve(beta * s_kk, rhs, c, nb, p.solve)  # [hb, C, K + V]
-
+  q2, k2 = q_ref[...].astype(_F32), k_ref[...].astype(_F32)
+  x = _chunk(q2, k2, v_ref[...].astype(_F32), g_ref[...].astype(_F32),
+             b_ref[...].astype(_F32), t, _tri_masks(c))
+  f, wu = x["f"], x["wu"]
+  kh = lambda y: _heads(y, hb, kd)
   state = state_ref[...]  # [hb, K, V]
+  if cs_ref is not None:
+    cs_ref[...] = state
   lhs = jnp.concatenate([wu[:, :, :kd], kh(q2 * f["read"])], axis=1)
-  ws = _dot(lhs, state, _BATCH_NN, p.state)  # [hb, 2C, V]
+  ws = _dot(lhs, state, _BATCH_NN, p.state)  # [hb, 2C, V]: W X and Q X
   v_new = wu[:, :, kd:] - ws[:, :c]
-  o = ws[:, c:] + _dot(a_qk, v_new, _BATCH_NN, p.output)
-  o_ref[...] = jnp.concatenate([o[h] for h in range(hb)],
-                               axis=1).astype(o_ref.dtype)
+  o = ws[:, c:] + _dot(x["a_qk"], v_new, _BATCH_NN, p.output)
+  o_ref[...] = _lanes(o).astype(o_ref.dtype)
   decay = _column(kh(f["total"]), kd)  # [hb, K, 1]
   k_end = jnp.swapaxes(kh(k2 * f["to_end"]), 1, 2)  # [hb, K, C]
   state_ref[...] = decay * state + _dot(k_end, v_new, _BATCH_NN, p.state)
@@ -257,6 +369,109 @@ def _kernel(*refs, t: Config):
   @pl.when(chunk_id == pl.num_programs(1) - 1)
   def _():
     sf_ref[...] = state_ref[...]
+
+
+def _scores_backward(x, d_aqk, ds, nb, precision):
+  """Cotangents through the scores, row block by row block.
+
+  Block n's scores are [qr; kr]_n (k colf_n)^T; with dS_n its rows of
+  (dA_qk, dS): d[qr; kr]_n = dS_n (k colf_n), d(k colf_n) = dS_n^T [qr; kr]_n.
+  Returns (dqr, dkr, [d(k colf_n)]).
+  """
+  dqr, dkr, dkcs = [], [], []
+  for n in range(nb):
+    rows = slice(SUB * n, SUB * (n + 1))
+    dsn = jnp.concatenate([d_aqk[:, rows], ds[:, rows]], axis=1)  # [hb,2S,C]
+    lhs = jnp.concatenate([x["qr"][:, rows], x["kr"][:, rows]], axis=1)
+    dlhs = _dot(dsn, x["kcs"][n], _BATCH_NN, precision)  # [hb, 2S, K]
+    dkcs.append(_dot(jnp.swapaxes(dsn, 1, 2), lhs, _BATCH_NN, precision))
+    dqr.append(dlhs[:, :SUB])
+    dkr.append(dlhs[:, SUB:])
+  return jnp.concatenate(dqr, axis=1), jnp.concatenate(dkr, axis=1), dkcs
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
+                     dsf_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref,
+                     dstate_ref, *, t: Config):
+  """One head block's chunks last to first, dX (the state's cotangent) in VMEM.
+
+  Recomputes the chunk's pieces (`_chunk`) from q, k, v, g, beta and the
+  chunk's incoming state X (saved by the forward); then, with dO and dX'
+  the cotangents of the chunk's output and outgoing state:
+
+      dV_new    = A_qk^T dO + (exp(G_C - G) K) dX'
+      dX        = (exp(G) Q)^T dO + exp(G_C) dX' - W^T dV_new
+      [dW | dU] = [-dV_new X^T | dV_new],  dR = (I + A)^-T [dW | dU]
+      dA        = -strict_lower(dR [W | U]^T)   (A = beta S, R = beta [exp(G) K | V])
+
+  the scores' products transposed per row block, and the factors'
+  cotangents back to g (`_factors_backward`).
+  """
+  c, hb, kd, vd, nb = (t.chunk, t.heads_per_block, t.key_dim, t.value_dim,
+                       t.blocks)
+  p = t.precision
+  step = pl.program_id(1)
+
+  @pl.when(step == 0)  # the last chunk: dX' is the final state's cotangent
+  def _():
+    dstate_ref[...] = dsf_ref[...].astype(_F32)
+
+  masks = _tri_masks(c)
+  q2, k2 = q_ref[...].astype(_F32), k_ref[...].astype(_F32)
+  x = _chunk(q2, k2, v_ref[...].astype(_F32), g_ref[...].astype(_F32),
+             b_ref[...].astype(_F32), t, masks)
+  f, wu, beta = x["f"], x["wu"], x["beta"]
+  kh = lambda y: _heads(y, hb, kd)
+  swap = lambda y: jnp.swapaxes(y, 1, 2)
+  q3, k3 = kh(q2), kh(k2)
+  read3, to_end3 = kh(f["read"]), kh(f["to_end"])
+  w = wu[:, :, :kd]
+  state = cs_ref[...]  # X [hb, K, V]
+  v_new = wu[:, :, kd:] - _dot(w, state, _BATCH_NN, p.state)
+  do = _heads(do_ref[...].astype(_F32), hb, vd)
+  dnext = dstate_ref[...]  # dX'
+  kend, qread = k3 * to_end3, q3 * read3
+
+  dv_new = (_dot(swap(x["a_qk"]), do, _BATCH_NN, p.output)
+            + _dot(kend, dnext, _BATCH_NN, p.state))
+  decay = _column(kh(f["total"]), kd)
+  dstate_ref[...] = (_dot(swap(qread), do, _BATCH_NN, p.state)
+                     + decay * dnext
+                     - _dot(swap(w), dv_new, _BATCH_NN, p.state))
+  d_aqk = jnp.where(masks["causal"], _dot(do, v_new, _BATCH_NT, p.output),
+                    0.0)
+  d_qread = _dot(do, state, _BATCH_NT, p.state)  # [hb, C, K]
+  d_kend = _dot(v_new, dnext, _BATCH_NT, p.state)  # [hb, C, K]
+  d_total = _row(jnp.sum(state * dnext, axis=2, keepdims=True), kd)
+  dwu = jnp.concatenate([-_dot(dv_new, state, _BATCH_NT, p.state), dv_new],
+                        axis=2)
+  dr = _solve_transposed(x["inv"], x["powers"], dwu, p.solve)
+  da = jnp.where(masks["below"], -_dot(dr, wu, _BATCH_NT, p.solve), 0.0)
+  dbeta = (jnp.sum(da * x["s_kk"], axis=2, keepdims=True)
+           + jnp.sum(dr * jnp.concatenate([x["kread"], x["v3"]], axis=2),
+                     axis=2, keepdims=True))  # [hb, C, 1]
+  dr_w = dr[:, :, :kd] * beta
+  dv = dr[:, :, kd:] * beta
+  dqr, dkr, dkcs = _scores_backward(x, d_aqk, da * beta, nb, p.scores)
+  rowf3 = kh(f["rowf"])
+  dq = d_qread * read3 + dqr * rowf3
+  dk = d_kend * to_end3 + dr_w * read3 + dkr * rowf3
+  for n in range(nb):
+    dk = dk + dkcs[n] * kh(f["colfs"][n])
+  d = dict(read=_lanes(d_qread * q3 + dr_w * k3),
+           to_end=_lanes(d_kend * k3),
+           total=_lanes(d_total),
+           rowf=_lanes(dqr * q3 + dkr * k3),
+           colfs=[_lanes(dkc * k3) for dkc in dkcs])
+  dq_ref[...] = _lanes(dq)
+  dk_ref[...] = _lanes(dk)
+  dv_ref[...] = _lanes(dv)
+  dg_ref[...] = _factors_backward(f, d, c, nb)
+  db_ref[...] = _row(dbeta, c)[:, 0, :]
+
+  @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
+  def _():
+    ds0_ref[...] = dstate_ref[...]
 
 
 def _heads_per_block(h, heads_per_block):
@@ -304,44 +519,127 @@ def kda_forward(q, k, v, g, beta, initial_state=None, *, precision,
              key_dim=kd, value_dim=v.shape[-1],
              has_initial_state=initial_state is not None,
              precision=precision, interpret=bool(interpret))
+  return _kda(t, q, k, v, g, beta, initial_state)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kda(t: Config, q, k, v, g, beta, initial_state):
   return _forward(t, q, k, v, g, beta, initial_state)
+
+
+def _kda_fwd(t, q, k, v, g, beta, initial_state):
+  o, final, states = _forward(dataclasses.replace(t, save_states=True),
+                              q, k, v, g, beta, initial_state)
+  return (o, final), (q, k, v, g, beta, initial_state, states)
+
+
+def _kda_bwd(t, residuals, cotangents):
+  q, k, v, g, beta, initial_state, states = residuals
+  do, dfinal = cotangents
+  dq, dk, dv, dg, dbeta, ds0 = _backward(t, q, k, v, g, beta, states, do,
+                                         dfinal)
+  cast = lambda x, like: x.astype(like.dtype)
+  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
+          cast(dbeta, beta),
+          None if initial_state is None else cast(ds0, initial_state))
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+def _specs(t: Config, b, seq, h, *, reverse=False):
+  """(n chunks, padded T, block specs) shared by the forward and backward."""
+  c, hb, kd, vd = t.chunk, t.heads_per_block, t.key_dim, t.value_dim
+  n = -(-seq // c)
+  nh = h // hb
+  at = (lambda j: n - 1 - j) if reverse else (lambda j: j)
+  tok = lambda d: pl.BlockSpec((pl.squeezed, c, hb * d),
+                               lambda i, j: (i // nh, at(j), i % nh))
+  rows = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, hb, c),
+                      lambda i, j: (i // nh, at(j), i % nh, 0, 0))
+  state = pl.BlockSpec((hb, kd, vd), lambda i, j: (i, 0, 0))
+  chunk_state = pl.BlockSpec((hb, pl.squeezed, kd, vd),
+                             lambda i, j: (i, at(j), 0, 0))
+  return n, n * c, dict(tok=tok, rows=rows, state=state,
+                        chunk_state=chunk_state)
+
+
+def _params(budget):
+  return pltpu.CompilerParams(
+      dimension_semantics=("parallel", "arbitrary"),
+      vmem_limit_bytes=int(min(max(32 * 2 ** 20, 2 * budget), 100 * 2 ** 20)))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _forward(t: Config, q, k, v, g, beta, initial_state):
+  """(o, final state[, chunk states [B*H, T/C, K, V] with t.save_states])."""
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
   c, hb = t.chunk, t.heads_per_block
   nh = h // hb
-  n = -(-seq // c)
-  tp = n * c
+  n, tp, spec = _specs(t, b, seq, h)
   # k = v = beta = 0 and g = 0: the padding leaves the state alone.
   q, k, v, g, beta = pallas_tpu._pad_time(tp, q, k, v, g, beta)
   flat = lambda x: x.reshape(b, tp, h * x.shape[-1])
-  tok = lambda d: pl.BlockSpec((pl.squeezed, c, hb * d),
-                               lambda i, j: (i // nh, j, i % nh))
-  rows = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, hb, c),
-                      lambda i, j: (i // nh, j, i % nh, 0, 0))
-  state = pl.BlockSpec((hb, kd, vd), lambda i, j: (i, 0, 0))
-  in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), rows]
+  tok = spec["tok"]
+  in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
   args = [flat(q), flat(k), flat(v), flat(g),
           pallas_tpu._beta_rows(beta, n, c, nh, hb)]
   if t.has_initial_state:
-    in_specs.append(state)
+    in_specs.append(spec["state"])
     args.append(initial_state.astype(_F32).reshape(b * h, kd, vd))
-  budget = vmem_bytes(t, q.dtype, g.dtype)
-  o, final = pl.pallas_call(
+  out_specs = [tok(vd), spec["state"]]
+  out_shape = [jax.ShapeDtypeStruct((b, tp, h * vd), q.dtype),
+               jax.ShapeDtypeStruct((b * h, kd, vd), _F32)]
+  if t.save_states:
+    out_specs.append(spec["chunk_state"])
+    out_shape.append(jax.ShapeDtypeStruct((b * h, n, kd, vd), _F32))
+  out = pl.pallas_call(
       functools.partial(_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=0, grid=(b * nh, n), in_specs=in_specs,
-          out_specs=[tok(vd), state],
+          out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
-      out_shape=[jax.ShapeDtypeStruct((b, tp, h * vd), q.dtype),
-                 jax.ShapeDtypeStruct((b * h, kd, vd), _F32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary"),
-          vmem_limit_bytes=int(min(max(32 * 2 ** 20, 2 * budget),
-                                   100 * 2 ** 20))),
+      out_shape=out_shape,
+      compiler_params=_params(vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
   )(*args)
-  return o.reshape(b, tp, h, vd)[:, :seq], final.reshape(b, h, kd, vd)
+  o = out[0].reshape(b, tp, h, vd)[:, :seq]
+  return (o, out[1].reshape(b, h, kd, vd), *out[2:])
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _backward(t: Config, q, k, v, g, beta, states, do, dfinal):
+  b, seq, h, kd = q.shape
+  vd = v.shape[-1]
+  c, hb = t.chunk, t.heads_per_block
+  nh = h // hb
+  n, tp, spec = _specs(t, b, seq, h, reverse=True)
+  # Padding (k = v = beta = g = 0, dO = 0) adds nothing to any gradient.
+  q, k, v, g, beta, do = pallas_tpu._pad_time(tp, q, k, v, g, beta, do)
+  flat = lambda x: x.reshape(b, tp, h * x.shape[-1])
+  tok = spec["tok"]
+  in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
+              spec["chunk_state"], tok(vd), spec["state"]]
+  args = [flat(q), flat(k), flat(v), flat(g),
+          pallas_tpu._beta_rows(beta, n, c, nh, hb), states, flat(do),
+          dfinal.astype(_F32).reshape(b * h, kd, vd)]
+  shape = lambda d: jax.ShapeDtypeStruct((b, tp, h * d), _F32)
+  dq, dk, dv, dg, db, ds0 = pl.pallas_call(
+      functools.partial(_backward_kernel, t=t),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=0, grid=(b * nh, n), in_specs=in_specs,
+          out_specs=[tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
+                     spec["state"]],
+          scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
+      out_shape=[shape(kd), shape(kd), shape(vd), shape(kd),
+                 jax.ShapeDtypeStruct((b, n, nh, hb, c), _F32),
+                 jax.ShapeDtypeStruct((b * h, kd, vd), _F32)],
+      compiler_params=_params(2 * vmem_bytes(t, q.dtype, g.dtype)),
+      interpret=t.interpret,
+  )(*args)
+  unflat = lambda x, d: x.reshape(b, tp, h, d)[:, :seq]
+  dbeta = jnp.transpose(db.reshape(b, n, h, c), (0, 1, 3, 2)).reshape(
+      b, tp, h)[:, :seq]
+  return (unflat(dq, kd), unflat(dk, kd), unflat(dv, vd), unflat(dg, kd),
+          dbeta, ds0.reshape(b, h, kd, vd))
