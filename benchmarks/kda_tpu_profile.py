@@ -23,8 +23,9 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
 * `kernel`: our Pallas kernel (`pallas_tpu.kda_forward`, with its backward
   kernel under `jax.grad`) after the op's own preparation in XLA (gates,
   L2 norm, scale);
-* `batched`: the same with the batched-heads forward
-  (`pallas_batched.kda_forward`; forward only);
+* `batched`: the batched-heads kernels (`pallas_batched.kda`) on the raw
+  inputs: the forward kernel normalises, scales and gates each block
+  itself; the backward prepares in XLA;
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 """
 
@@ -72,13 +73,27 @@ def kernel_op(heads_per_block=None, forward=pallas_tpu.kda_forward):
   return f
 
 
+def batched_op(heads_per_block=None):
+  """Our batched-heads kernel on the raw inputs (preparation inside it)."""
+  interpret = jax.devices()[0].platform != "tpu"
+
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    o, _ = pallas_batched.kda(
+        q, k, v, g, beta, scale=q.shape[-1] ** -0.5, a_log=a_log,
+        dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
+        use_qk_l2norm=True, precision=precision_lib.resolve("auto", q.dtype),
+        heads_per_block=heads_per_block, interpret=interpret)
+    return o
+  return f
+
+
 def implementation(name):
   if name == "chunked":
     return kda_tpu.op("chunked")
   if name == "kernel":
     return kernel_op()
   if name == "batched":
-    return kernel_op(forward=pallas_batched.kda_forward)
+    return batched_op()
   if name == "tokamax_mosaic":
     return kda_tpu.tokamax_mosaic()
   raise ValueError(f"--impls: unknown implementation {name!r}; allowed: "

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
@@ -94,15 +95,22 @@ def test_gradients_of_bfloat16_inputs():
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype):
-  b, t, h, kd = 1, 256, 8, 128
+@pytest.mark.parametrize("fused", [False, True])
+def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused):
+  b, t, h, kd = 1, 200, 8, 128
   s = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
   args = (s(b, t, h, kd), s(b, t, h, kd), s(b, t, h, kd),
           s(b, t, h, kd, d=jnp.float32), s(b, t, h, d=jnp.float32),
           s(b, h, kd, kd, d=jnp.float32))
   precision = ACCURATE if dtype == jnp.float32 else FAST
-  fwd = lambda *a: pallas_batched.kda_forward(*a, precision=precision,
-                                              lower_bound=-5.0)
+  if fused:  # raw inputs, the lower-bound gate and the L2 norm in the kernel
+    a_log, dt_bias = jnp.zeros(h), jnp.zeros(h * kd)
+    fwd = lambda *a: pallas_batched.kda(
+        *a, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+        use_gate_in_kernel=True, use_qk_l2norm=True, precision=precision)
+  else:
+    fwd = lambda *a: pallas_batched.kda_forward(*a, precision=precision,
+                                                lower_bound=-5.0)
   loss = lambda *a: sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in fwd(*a))
   with mosaic.lowering_mode(chip):
     forward = jax.export.export(jax.jit(fwd), platforms=["tpu"])(*args)
@@ -123,3 +131,67 @@ def test_limits_raise_not_implemented():
     run(args, chunk=48)
   with pytest.raises(NotImplementedError, match="lower_bound"):
     run(args, lower_bound=-6.0)
+
+
+def _raw_inputs(t, h=2, kd=128, b=1, seed=0, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  x = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  q, k, v, g = (x(b, t, h, kd) for _ in range(4))
+  beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, t, h)), jnp.float32)
+  a_log = jnp.log(jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32))
+  dt_bias = x(h * kd) * 0.5
+  s0 = x(b, h, kd, kd) * 0.5
+  cast = lambda a: a.astype(dtype)
+  return (cast(q), cast(k), cast(v), g, cast(beta), s0), a_log, dt_bias
+
+
+@pytest.mark.parametrize("gated, l2norm, t", [(True, True, 100),
+                                              (False, True, 64),
+                                              (True, False, 130)])
+def test_fused_preparation_forward_and_gradients(gated, l2norm, t):
+  # The kernel normalises q and k, scales q and activates the lower-bound
+  # gate itself; every gradient (a_log and dt_bias included) against the
+  # float64 reference op on the same raw inputs.
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, seed=t)
+  if not gated:
+    g = -5.0 * jax.nn.sigmoid(g)  # a log decay in [-5, 0]
+  if not l2norm:  # unit keys keep the delta rule contractive
+    q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+  kw = dict(scale=128 ** -0.5, lower_bound=-5.0 if gated else None,
+            use_gate_in_kernel=gated, use_qk_l2norm=l2norm)
+  args = (q, k, v, g, beta, s0, a_log, dt_bias)
+
+  def ours(q, k, v, g, beta, s0, a_log, dt_bias):
+    return pallas_batched.kda(q, k, v, g, beta, s0, a_log=a_log,
+                              dt_bias=dt_bias, precision=ACCURATE,
+                              interpret=True, **kw)
+
+  def reference(q, k, v, g, beta, s0, a_log, dt_bias):
+    return ops.kimi_delta_attention(
+        q, k, v, g, beta, a_log=a_log if gated else None,
+        dt_bias=dt_bias if gated else None, initial_state=s0,
+        output_final_state=True, backend="reference", precision="highest",
+        **kw)
+
+  rng = np.random.default_rng(1)
+  do = rng.normal(size=v.shape)
+  ds = rng.normal(size=s0.shape)
+  out, back = jax.vjp(ours, *args)
+  grads = back((jnp.asarray(do, jnp.float32), jnp.asarray(ds, jnp.float32)))
+  with jax.enable_x64(True):
+    a64 = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
+    out64, back64 = jax.vjp(reference, *a64)
+    grads64 = back64((jnp.asarray(do), jnp.asarray(ds)))
+  for name, x, w in zip(("output", "final_state"), out, out64):
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+  names = ("dq", "dk", "dv", "dg", "dbeta", "ds0", "da_log", "ddt_bias")
+  for name, x, w in list(zip(names, grads, grads64))[:6 if not gated else 8]:
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+
+
+def test_fused_preparation_refuses_the_softplus_gate():
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(64)
+  with pytest.raises(NotImplementedError, match="lower-bound gate"):
+    pallas_batched.kda(q, k, v, g, beta, s0, scale=1.0, a_log=a_log,
+                       dt_bias=dt_bias, use_gate_in_kernel=True,
+                       precision=ACCURATE, interpret=True)

@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from linear_attention.ops.kda import gates
 from linear_attention.ops.kda import pallas_tpu
 from linear_attention.ops.kda.precision import Precisions
 
@@ -65,6 +66,20 @@ _BATCH_NT = (((2,), (2,)), ((0,), (0,)))  # [b, m, k] @ [b, n, k]^T
 
 
 @dataclasses.dataclass(frozen=True)
+class Prep:
+  """The op's input preparation, when the forward kernel does it itself.
+
+  On the raw block: q and k L2-normalised per head (`l2norm`), q times
+  `scale`, and with `lower_bound` the fused gate g = lower_bound *
+  sigmoid(exp(a_log) (g + dt_bias)) (else g is already the log decay).
+  """
+
+  l2norm: bool
+  scale: float
+  lower_bound: float | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """Static kernel configuration."""
 
@@ -76,10 +91,15 @@ class Config:
   precision: Precisions
   interpret: bool
   save_states: bool = False  # also output each chunk's incoming state
+  prep: Prep | None = None  # the forward prepares raw inputs itself
 
   @property
   def blocks(self) -> int:
     return self.chunk // SUB
+
+  @property
+  def gated(self) -> bool:
+    return self.prep is not None and self.prep.lower_bound is not None
 
 
 def _dot(a, b, dims, precision):
@@ -330,14 +350,28 @@ def _chunk(q2, k2, v2, g2, brow, t: "Config", masks):
               kread=kread, v3=v3, inv=inv, powers=powers, wu=wu)
 
 
+def _prepare_block(q2, k2, g2, rate, dtb, t: Config):
+  """The op's preparation on a raw block ([C, hb*K] float32 each)."""
+  hb, kd, prep = t.heads_per_block, t.key_dim, t.prep
+  if prep.l2norm:
+    def unit(x):
+      x3 = _heads(x, hb, kd)
+      return _lanes(x3 * jax.lax.rsqrt(
+          jnp.sum(x3 * x3, axis=2, keepdims=True) + gates.L2_NORM_EPS))
+    q2, k2 = unit(q2), unit(k2)
+  if prep.scale != 1.0:
+    q2 = q2 * prep.scale
+  if prep.lower_bound is not None:
+    g2 = prep.lower_bound * jax.nn.sigmoid(rate * (g2 + dtb))
+  return q2, k2, g2
+
+
 def _kernel(*refs, t: Config):
-  n_in = 6 if t.has_initial_state else 5
-  n_out = 3 if t.save_states else 2
-  q_ref, k_ref, v_ref, g_ref, b_ref = refs[:5]
-  s0_ref = refs[5] if t.has_initial_state else None
-  o_ref, sf_ref = refs[n_in:n_in + 2]
-  cs_ref = refs[n_in + 2] if t.save_states else None
-  state_ref = refs[n_in + n_out]
+  names = ["q", "k", "v", "g", "b"] + (["rate", "dtb"] if t.gated else [])
+  names += ["s0"] if t.has_initial_state else []
+  names += ["o", "sf"] + (["cs"] if t.save_states else []) + ["state"]
+  r = dict(zip(names, refs))
+  s0_ref, cs_ref, state_ref = r.get("s0"), r.get("cs"), r["state"]
   c, hb, kd = t.chunk, t.heads_per_block, t.key_dim
   p = t.precision
   chunk_id = pl.program_id(1)
@@ -349,9 +383,14 @@ def _kernel(*refs, t: Config):
     else:
       state_ref[...] = s0_ref[...].astype(_F32)
 
-  q2, k2 = q_ref[...].astype(_F32), k_ref[...].astype(_F32)
-  x = _chunk(q2, k2, v_ref[...].astype(_F32), g_ref[...].astype(_F32),
-             b_ref[...].astype(_F32), t, _tri_masks(c))
+  q2, k2 = r["q"][...].astype(_F32), r["k"][...].astype(_F32)
+  g2 = r["g"][...].astype(_F32)
+  if t.prep is not None:
+    q2, k2, g2 = _prepare_block(
+        q2, k2, g2, r["rate"][...] if t.gated else None,
+        r["dtb"][...] if t.gated else None, t)
+  x = _chunk(q2, k2, r["v"][...].astype(_F32), g2,
+             r["b"][...].astype(_F32), t, _tri_masks(c))
   f, wu = x["f"], x["wu"]
   kh = lambda y: _heads(y, hb, kd)
   state = state_ref[...]  # [hb, K, V]
@@ -361,14 +400,14 @@ def _kernel(*refs, t: Config):
   ws = _dot(lhs, state, _BATCH_NN, p.state)  # [hb, 2C, V]: W X and Q X
   v_new = wu[:, :, kd:] - ws[:, :c]
   o = ws[:, c:] + _dot(x["a_qk"], v_new, _BATCH_NN, p.output)
-  o_ref[...] = _lanes(o).astype(o_ref.dtype)
+  r["o"][...] = _lanes(o).astype(r["o"].dtype)
   decay = _column(kh(f["total"]), kd)  # [hb, K, 1]
   k_end = jnp.swapaxes(kh(k2 * f["to_end"]), 1, 2)  # [hb, K, C]
   state_ref[...] = decay * state + _dot(k_end, v_new, _BATCH_NN, p.state)
 
   @pl.when(chunk_id == pl.num_programs(1) - 1)
   def _():
-    sf_ref[...] = state_ref[...]
+    r["sf"][...] = state_ref[...]
 
 
 def _scores_backward(x, d_aqk, ds, nb, precision):
@@ -506,14 +545,8 @@ def kda_forward(q, k, v, g, beta, initial_state=None, *, precision,
   """
   if not isinstance(precision, Precisions):
     raise ValueError(f"precision must be a Precisions; got {precision!r}.")
-  pallas_tpu._check(q, k, v, g, beta, initial_state, chunk=chunk,
-                    lower_bound=lower_bound, segment_ids=None,
-                    interpret=interpret)
-  nb = chunk // SUB
-  if nb & (nb - 1):
-    raise NotImplementedError(
-        f"pallas_batched needs chunk / 16 to be a power of two; got"
-        f" chunk={chunk}.")
+  _check_raw(q, k, v, g, beta, initial_state, chunk=chunk,
+             lower_bound=lower_bound, gated=False, interpret=interpret)
   b, _, h, kd = q.shape
   t = Config(chunk=chunk, heads_per_block=_heads_per_block(h, heads_per_block),
              key_dim=kd, value_dim=v.shape[-1],
@@ -547,6 +580,101 @@ def _kda_bwd(t, residuals, cotangents):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
+def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
+        dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
+        use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
+        heads_per_block=None, interpret=False):
+  """The KDA forward on the op's raw inputs, preparation inside the kernel.
+
+  q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
+  [B, H, K, V] or None; the gate fused (`use_gate_in_kernel`) only with
+  `lower_bound` in [-5, 0) (the kernel's exponent factors need every log
+  decay >= -5), else g is the log decay (>= -5). The forward kernel
+  normalises q and k, scales q and activates the gate on each block, so no
+  prepared copy of q, k or g is written to HBM; the backward prepares them
+  in XLA, runs the backward kernel and pulls the gradients back through the
+  preparation. Returns (o [B, T, H, V] in q's dtype, final state float32).
+  """
+  if not isinstance(precision, Precisions):
+    raise ValueError(f"precision must be a Precisions; got {precision!r}.")
+  if use_gate_in_kernel and lower_bound is None:
+    raise NotImplementedError(
+        "pallas_batched fuses only the lower-bound gate (lower_bound in"
+        " [-5, 0)); the softplus gate's log decays have no lower bound.")
+  gated = bool(use_gate_in_kernel)
+  if gated and (a_log is None or dt_bias is None):
+    raise ValueError("use_gate_in_kernel needs a_log [H] and dt_bias [H*K].")
+  _check_raw(q, k, v, g, beta, initial_state, chunk=chunk,
+             lower_bound=lower_bound, gated=gated, interpret=interpret)
+  b, _, h, kd = q.shape
+  prep = Prep(l2norm=bool(use_qk_l2norm), scale=float(scale),
+              lower_bound=float(lower_bound) if gated else None)
+  t = Config(chunk=chunk, heads_per_block=_heads_per_block(h, heads_per_block),
+             key_dim=kd, value_dim=v.shape[-1],
+             has_initial_state=initial_state is not None,
+             precision=precision, interpret=bool(interpret), prep=prep)
+  if not gated:
+    a_log = dt_bias = None
+  return _kda_raw(t, q, k, v, g, beta, initial_state, a_log, dt_bias)
+
+
+def _check_raw(q, k, v, g, beta, initial_state, *, chunk, lower_bound, gated,
+               interpret):
+  """`pallas_tpu._check`'s limits (g the gate's input when `gated`)."""
+  pallas_tpu._check(q, k, v, g, beta, initial_state, chunk=chunk,
+                    lower_bound=lower_bound, segment_ids=None,
+                    interpret=interpret, raw_gate=gated)
+  nb = chunk // SUB
+  if nb & (nb - 1):
+    raise NotImplementedError(
+        f"pallas_batched needs chunk / 16 to be a power of two; got"
+        f" chunk={chunk}.")
+
+
+def _prepared(t: Config, q, k, g, a_log, dt_bias):
+  """The preparation the forward kernel does, in XLA (for the backward)."""
+  prep = t.prep
+  dtype = q.dtype
+  if prep.l2norm:
+    q = gates.l2_normalize(q, dtype=_F32)
+    k = gates.l2_normalize(k, dtype=_F32)
+  q = q.astype(_F32) * prep.scale
+  if prep.lower_bound is not None:
+    g = gates.kda_log_decay(g, a_log, dt_bias, prep.lower_bound, dtype=_F32)
+  return q.astype(dtype), k.astype(dtype), g.astype(_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kda_raw(t: Config, q, k, v, g, beta, initial_state, a_log, dt_bias):
+  return _forward(t, q, k, v, g, beta, initial_state, a_log, dt_bias)
+
+
+def _kda_raw_fwd(t, q, k, v, g, beta, initial_state, a_log, dt_bias):
+  o, final, states = _forward(dataclasses.replace(t, save_states=True),
+                              q, k, v, g, beta, initial_state, a_log, dt_bias)
+  return (o, final), (q, k, v, g, beta, initial_state, a_log, dt_bias, states)
+
+
+def _kda_raw_bwd(t, residuals, cotangents):
+  q, k, v, g, beta, initial_state, a_log, dt_bias, states = residuals
+  do, dfinal = cotangents
+  (qp, kp, gp), pull = jax.vjp(
+      lambda q, k, g, a, d: _prepared(t, q, k, g, a, d), q, k, g, a_log,
+      dt_bias)
+  bare = dataclasses.replace(t, prep=None)
+  dqp, dkp, dv, dgp, dbeta, ds0 = _backward(bare, qp, kp, v, gp, beta, states,
+                                            do, dfinal)
+  dq, dk, dg, da, ddt = pull((dqp.astype(qp.dtype), dkp.astype(kp.dtype),
+                              dgp))
+  cast = lambda x, like: None if like is None else x.astype(like.dtype)
+  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
+          cast(dbeta, beta), cast(ds0, initial_state), cast(da, a_log),
+          cast(ddt, dt_bias))
+
+
+_kda_raw.defvjp(_kda_raw_fwd, _kda_raw_bwd)
+
+
 def _specs(t: Config, b, seq, h, *, reverse=False):
   """(n chunks, padded T, block specs) shared by the forward and backward."""
   c, hb, kd, vd = t.chunk, t.heads_per_block, t.key_dim, t.value_dim
@@ -571,20 +699,35 @@ def _params(budget):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _forward(t: Config, q, k, v, g, beta, initial_state):
-  """(o, final state[, chunk states [B*H, T/C, K, V] with t.save_states])."""
+def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
+             dt_bias=None):
+  """(o, final state[, chunk states [B*H, T/C, K, V] with t.save_states]).
+
+  With `t.prep`, q, k and g are raw (the kernel prepares them; a_log and
+  dt_bias feed the fused gate).
+  """
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
   c, hb = t.chunk, t.heads_per_block
   nh = h // hb
   n, tp, spec = _specs(t, b, seq, h)
-  # k = v = beta = 0 and g = 0: the padding leaves the state alone.
-  q, k, v, g, beta = pallas_tpu._pad_time(tp, q, k, v, g, beta)
+  q, k, v, beta = pallas_tpu._pad_time(tp, q, k, v, beta)
+  # Padding tokens must leave the state alone: k = v = beta = 0 there, and a
+  # log decay of 0 (a raw gate of -inf through the fused gate's sigmoid).
+  pad_g = -jnp.inf if t.gated else 0.0
+  if tp != seq:
+    g = jnp.pad(g, [(0, 0), (0, tp - seq), (0, 0), (0, 0)],
+                constant_values=pad_g)
   flat = lambda x: x.reshape(b, tp, h * x.shape[-1])
   tok = spec["tok"]
   in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
   args = [flat(q), flat(k), flat(v), flat(g),
           pallas_tpu._beta_rows(beta, n, c, nh, hb)]
+  if t.gated:
+    lanes = pl.BlockSpec((1, hb * kd), lambda i, j: (0, i % nh))
+    in_specs += [lanes, lanes]
+    rate = jnp.repeat(jnp.exp(a_log.astype(_F32)), kd).reshape(1, h * kd)
+    args += [rate, dt_bias.astype(_F32).reshape(1, h * kd)]
   if t.has_initial_state:
     in_specs.append(spec["state"])
     args.append(initial_state.astype(_F32).reshape(b * h, kd, vd))

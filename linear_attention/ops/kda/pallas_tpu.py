@@ -545,7 +545,8 @@ def _heads_per_block(h, heads_per_block):
 
 
 def _check(q, k, v, g, beta, initial_state, *, chunk, lower_bound,
-           segment_ids, interpret):
+           segment_ids, interpret, raw_gate=False):
+  """The kernels' limits; `raw_gate`: g is the gate's input, not checked."""
   if segment_ids is not None:
     raise NotImplementedError(
         "pallas_tpu.kda_forward has no packed segments yet (segment_ids);"
@@ -588,7 +589,7 @@ def _check(q, k, v, g, beta, initial_state, *, chunk, lower_bound,
     raise NotImplementedError(
         f"pallas_tpu needs every log decay g >= {MIN_LOG_DECAY} (its"
         f" exponent factors span 16 tokens); got lower_bound={lower_bound}.")
-  if not isinstance(g, jax.core.Tracer):
+  if not raw_gate and not isinstance(g, jax.core.Tracer):
     g_min = float(jnp.min(g)) if g.size else 0.0
     if g_min < MIN_LOG_DECAY:
       raise ValueError(
