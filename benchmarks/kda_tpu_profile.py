@@ -25,7 +25,8 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   L2 norm, scale);
 * `batched`: the batched-heads kernels (`pallas_batched.kda`) on the raw
   inputs: the forward kernel normalises, scales and gates each block
-  itself; the backward prepares in XLA;
+  itself; the backward prepares in XLA (8 heads a step; `batched_hb16`
+  16; `batched_strided` reads the op's layout as rows, all heads a step);
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 """
 
@@ -50,7 +51,8 @@ from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu
 from linear_attention.ops.kda import precision as precision_lib
 
-IMPLS = ("chunked", "kernel", "batched", "tokamax_mosaic")
+IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
+         "tokamax_mosaic")
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -73,7 +75,7 @@ def kernel_op(heads_per_block=None, forward=pallas_tpu.kda_forward):
   return f
 
 
-def batched_op(heads_per_block=None):
+def batched_op(heads_per_block=None, strided=False):
   """Our batched-heads kernel on the raw inputs (preparation inside it)."""
   interpret = jax.devices()[0].platform != "tpu"
 
@@ -82,7 +84,8 @@ def batched_op(heads_per_block=None):
         q, k, v, g, beta, scale=q.shape[-1] ** -0.5, a_log=a_log,
         dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
         use_qk_l2norm=True, precision=precision_lib.resolve("auto", q.dtype),
-        heads_per_block=heads_per_block, interpret=interpret)
+        heads_per_block=heads_per_block, strided=strided,
+        interpret=interpret)
     return o
   return f
 
@@ -94,6 +97,10 @@ def implementation(name):
     return kernel_op()
   if name == "batched":
     return batched_op()
+  if name == "batched_hb16":
+    return batched_op(heads_per_block=16)
+  if name == "batched_strided":
+    return batched_op(strided=True)
   if name == "tokamax_mosaic":
     return kda_tpu.tokamax_mosaic()
   raise ValueError(f"--impls: unknown implementation {name!r}; allowed: "

@@ -58,19 +58,21 @@ def test_bfloat16_inputs_at_one_pass():
   testing.assert_close(state, s_ref, rtol=RTOL_BF16_OUT, name="final_state")
 
 
-@pytest.mark.parametrize("t, g, beta, init, chunk, h, b, hb", [
-    (100, (-5.0, 0.0), None, True, 64, 2, 1, None),
-    (192, (-5.0, -5.0), None, False, 64, 2, 1, None),
-    (160, (-1e-3, 0.0), None, True, 32, 2, 1, None),
-    (100, (-1.0, 0.0), 1.0, True, 64, 2, 1, None),
-    (200, (-5.0, 0.0), None, True, 128, 4, 2, 2),  # B = 2, two head blocks
+@pytest.mark.parametrize("t, g, beta, init, chunk, h, b, hb, strided", [
+    (100, (-5.0, 0.0), None, True, 64, 2, 1, None, False),
+    (192, (-5.0, -5.0), None, False, 64, 2, 1, None, False),
+    (160, (-1e-3, 0.0), None, True, 32, 2, 1, None, False),
+    (100, (-1.0, 0.0), 1.0, True, 64, 2, 1, None, False),
+    (200, (-5.0, 0.0), None, True, 128, 4, 2, 2, False),  # B 2, 2 head blocks
+    (100, (-5.0, 0.0), None, True, 64, 4, 2, None, True),  # strided rows
+    (64, (-1.0, 0.0), None, False, 32, 8, 1, None, True),
 ])
 def test_gradients_match_the_float64_reference(t, g, beta, init, chunk, h, b,
-                                               hb):
+                                               hb, strided):
   args = prepared(t, g=g, beta=beta, init=init, seed=6, h=h, b=b)
   (out, grads), (out64, grads64) = _grads_pair(
       args, forward=pallas_batched.kda_forward, chunk=chunk,
-      heads_per_block=hb)
+      heads_per_block=hb, strided=strided)
   for name, x, w in zip(("output", "final_state"), out, out64):
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
   for name, x, w in zip(NAMES, grads, grads64):
@@ -95,9 +97,11 @@ def test_gradients_of_bfloat16_inputs():
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("fused", [False, True])
-def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused):
-  b, t, h, kd = 1, 200, 8, 128
+@pytest.mark.parametrize("fused, strided", [(False, False), (True, False),
+                                            (True, True)])
+def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused,
+                                                      strided):
+  b, t, h, kd = 1, 200, 16, 128
   s = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
   args = (s(b, t, h, kd), s(b, t, h, kd), s(b, t, h, kd),
           s(b, t, h, kd, d=jnp.float32), s(b, t, h, d=jnp.float32),
@@ -107,7 +111,8 @@ def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused):
     a_log, dt_bias = jnp.zeros(h), jnp.zeros(h * kd)
     fwd = lambda *a: pallas_batched.kda(
         *a, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
-        use_gate_in_kernel=True, use_qk_l2norm=True, precision=precision)
+        use_gate_in_kernel=True, use_qk_l2norm=True, precision=precision,
+        strided=strided)
   else:
     fwd = lambda *a: pallas_batched.kda_forward(*a, precision=precision,
                                                 lower_bound=-5.0)
@@ -125,6 +130,8 @@ def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused):
 
 def test_limits_raise_not_implemented():
   args = prepared(64)
+  with pytest.raises(NotImplementedError, match="every head a step"):
+    run(args, heads_per_block=1, strided=True)
   with pytest.raises(NotImplementedError, match="heads_per_block"):
     run(args, heads_per_block=3)
   with pytest.raises(NotImplementedError, match="power of two"):
@@ -145,10 +152,11 @@ def _raw_inputs(t, h=2, kd=128, b=1, seed=0, dtype=jnp.float32):
   return (cast(q), cast(k), cast(v), g, cast(beta), s0), a_log, dt_bias
 
 
-@pytest.mark.parametrize("gated, l2norm, t", [(True, True, 100),
-                                              (False, True, 64),
-                                              (True, False, 130)])
-def test_fused_preparation_forward_and_gradients(gated, l2norm, t):
+@pytest.mark.parametrize("gated, l2norm, t, strided", [(True, True, 100, False),
+                                                       (False, True, 64, False),
+                                                       (True, False, 130, False),
+                                                       (True, True, 100, True)])
+def test_fused_preparation_forward_and_gradients(gated, l2norm, t, strided):
   # The kernel normalises q and k, scales q and activates the lower-bound
   # gate itself; every gradient (a_log and dt_bias included) against the
   # float64 reference op on the same raw inputs.
@@ -164,7 +172,7 @@ def test_fused_preparation_forward_and_gradients(gated, l2norm, t):
   def ours(q, k, v, g, beta, s0, a_log, dt_bias):
     return pallas_batched.kda(q, k, v, g, beta, s0, a_log=a_log,
                               dt_bias=dt_bias, precision=ACCURATE,
-                              interpret=True, **kw)
+                              strided=strided, interpret=True, **kw)
 
   def reference(q, k, v, g, beta, s0, a_log, dt_bias):
     return ops.kimi_delta_attention(

@@ -92,6 +92,10 @@ class Config:
   interpret: bool
   save_states: bool = False  # also output each chunk's incoming state
   prep: Prep | None = None  # the forward prepares raw inputs itself
+  # Read and write the op's own [B, T, H, *] layout as rows [B*T*H, *] (a
+  # free view when H fills the TPU's row tiles), every head a strided row
+  # load, all H heads a step: no relayout copies around the kernel.
+  strided: bool = False
 
   @property
   def blocks(self) -> int:
@@ -317,10 +321,49 @@ def _solve_transposed(inv, powers, rhs, precision):
   return _dot(t(inv), y, _BATCH_NN, precision)
 
 
-def _chunk(q2, k2, v2, g2, brow, t: "Config", masks):
+def _read(ref, t: "Config"):
+  """A token block as [C, hb*d] float32 (heads side by side in lanes)."""
+  if not t.strided:
+    return ref[...].astype(_F32)
+  hb = t.heads_per_block
+  return jnp.concatenate(
+      [ref[pl.ds(h, t.chunk, stride=hb), :].astype(_F32) for h in range(hb)],
+      axis=1)
+
+
+def _write(ref, x2, t: "Config"):
+  """`_read`'s inverse: x2 [C, hb*d] into a token block."""
+  if not t.strided:
+    ref[...] = x2.astype(ref.dtype)
+    return
+  hb = t.heads_per_block
+  d = x2.shape[1] // hb
+  for h in range(hb):
+    ref[pl.ds(h, t.chunk, stride=hb), :] = x2[:, h * d:(h + 1) * d].astype(
+        ref.dtype)
+
+
+def _read_beta(ref, t: "Config"):
+  """beta as columns [hb, C, 1] (blocks: rows (hb, C), or (C, H) strided)."""
+  b = ref[...].astype(_F32)
+  if t.strided:
+    return jnp.stack([b[:, h:h + 1] for h in range(t.heads_per_block)])
+  return _column(b[:, None, :], t.chunk)
+
+
+def _write_beta(ref, columns, t: "Config"):
+  """`_read_beta`'s inverse for the cotangent [hb, C, 1]."""
+  if t.strided:
+    ref[...] = jnp.concatenate(
+        [columns[h] for h in range(t.heads_per_block)], axis=1)
+  else:
+    ref[...] = _row(columns, t.chunk)[:, 0, :]
+
+
+def _chunk(q2, k2, v2, g2, beta, t: "Config", masks):
   """One chunk up to the UT transform, for the hb heads of a grid step.
 
-  q2, k2, g2 [C, hb*K], v2 [C, hb*V] float32, brow [hb, C] (beta rows).
+  q2, k2, g2 [C, hb*K], v2 [C, hb*V] float32, beta [hb, C, 1] columns.
   Returns the factors `f`, the per-head (q|k) row-factored scores' inputs,
   the masked scores a_qk (causal) and s (strictly lower, before beta), the
   beta column [hb, C, 1], the solve's factors and wu = [W | U].
@@ -341,7 +384,6 @@ def _chunk(q2, k2, v2, g2, brow, t: "Config", masks):
     kk_rows.append(s[:, SUB:])
   a_qk = jnp.where(masks["causal"], jnp.concatenate(qk_rows, axis=1), 0.0)
   s_kk = jnp.where(masks["below"], jnp.concatenate(kk_rows, axis=1), 0.0)
-  beta = _column(brow[:, None, :], c)  # [hb, C, 1]
   kread, v3 = kh(k2 * f["read"]), _heads(v2, hb, vd)
   rhs = jnp.concatenate([kread, v3], axis=2) * beta
   inv, powers = _solve_factors(beta * s_kk, masks, nb, p.solve)
@@ -383,14 +425,13 @@ def _kernel(*refs, t: Config):
     else:
       state_ref[...] = s0_ref[...].astype(_F32)
 
-  q2, k2 = r["q"][...].astype(_F32), r["k"][...].astype(_F32)
-  g2 = r["g"][...].astype(_F32)
+  q2, k2, g2 = _read(r["q"], t), _read(r["k"], t), _read(r["g"], t)
   if t.prep is not None:
     q2, k2, g2 = _prepare_block(
         q2, k2, g2, r["rate"][...] if t.gated else None,
         r["dtb"][...] if t.gated else None, t)
-  x = _chunk(q2, k2, r["v"][...].astype(_F32), g2,
-             r["b"][...].astype(_F32), t, _tri_masks(c))
+  x = _chunk(q2, k2, _read(r["v"], t), g2, _read_beta(r["b"], t), t,
+             _tri_masks(c))
   f, wu = x["f"], x["wu"]
   kh = lambda y: _heads(y, hb, kd)
   state = state_ref[...]  # [hb, K, V]
@@ -400,7 +441,7 @@ def _kernel(*refs, t: Config):
   ws = _dot(lhs, state, _BATCH_NN, p.state)  # [hb, 2C, V]: W X and Q X
   v_new = wu[:, :, kd:] - ws[:, :c]
   o = ws[:, c:] + _dot(x["a_qk"], v_new, _BATCH_NN, p.output)
-  r["o"][...] = _lanes(o).astype(r["o"].dtype)
+  _write(r["o"], _lanes(o), t)
   decay = _column(kh(f["total"]), kd)  # [hb, K, 1]
   k_end = jnp.swapaxes(kh(k2 * f["to_end"]), 1, 2)  # [hb, K, C]
   state_ref[...] = decay * state + _dot(k_end, v_new, _BATCH_NN, p.state)
@@ -456,9 +497,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
     dstate_ref[...] = dsf_ref[...].astype(_F32)
 
   masks = _tri_masks(c)
-  q2, k2 = q_ref[...].astype(_F32), k_ref[...].astype(_F32)
-  x = _chunk(q2, k2, v_ref[...].astype(_F32), g_ref[...].astype(_F32),
-             b_ref[...].astype(_F32), t, masks)
+  q2, k2 = _read(q_ref, t), _read(k_ref, t)
+  x = _chunk(q2, k2, _read(v_ref, t), _read(g_ref, t), _read_beta(b_ref, t),
+             t, masks)
   f, wu, beta = x["f"], x["wu"], x["beta"]
   kh = lambda y: _heads(y, hb, kd)
   swap = lambda y: jnp.swapaxes(y, 1, 2)
@@ -467,7 +508,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
   w = wu[:, :, :kd]
   state = cs_ref[...]  # X [hb, K, V]
   v_new = wu[:, :, kd:] - _dot(w, state, _BATCH_NN, p.state)
-  do = _heads(do_ref[...].astype(_F32), hb, vd)
+  do = _heads(_read(do_ref, t), hb, vd)
   dnext = dstate_ref[...]  # dX'
   kend, qread = k3 * to_end3, q3 * read3
 
@@ -502,18 +543,24 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
            total=_lanes(d_total),
            rowf=_lanes(dqr * q3 + dkr * k3),
            colfs=[_lanes(dkc * k3) for dkc in dkcs])
-  dq_ref[...] = _lanes(dq)
-  dk_ref[...] = _lanes(dk)
-  dv_ref[...] = _lanes(dv)
-  dg_ref[...] = _factors_backward(f, d, c, nb)
-  db_ref[...] = _row(dbeta, c)[:, 0, :]
+  _write(dq_ref, _lanes(dq), t)
+  _write(dk_ref, _lanes(dk), t)
+  _write(dv_ref, _lanes(dv), t)
+  _write(dg_ref, _factors_backward(f, d, c, nb), t)
+  _write_beta(db_ref, dbeta, t)
 
   @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
   def _():
     ds0_ref[...] = dstate_ref[...]
 
 
-def _heads_per_block(h, heads_per_block):
+def _heads_per_block(h, heads_per_block, strided=False):
+  if strided:
+    if heads_per_block not in (None, h):
+      raise NotImplementedError(
+          f"pallas_batched reads every head a step when strided; got"
+          f" heads_per_block={heads_per_block}, H={h}.")
+    return h
   if heads_per_block is None:
     return max(d for d in range(1, min(h, DEFAULT_HEADS_PER_BLOCK) + 1)
                if h % d == 0)
@@ -537,21 +584,25 @@ def vmem_bytes(t: Config, in_dtype, g_dtype) -> int:
 
 def kda_forward(q, k, v, g, beta, initial_state=None, *, precision,
                 chunk=pallas_tpu.DEFAULT_CHUNK, heads_per_block=None,
-                lower_bound=None, interpret=False):
+                lower_bound=None, strided=False, interpret=False):
   """The KDA forward on prepared inputs: (o [B,T,H,V], final [B,H,K,V] f32).
 
   Arguments as `pallas_tpu.kda_forward` (without segment_ids); default
-  heads_per_block is the largest divisor of H up to 8.
+  heads_per_block is the largest divisor of H up to 8. `strided`: read and
+  write the op's [B, T, H, *] layout as rows with strided loads, all H
+  heads a grid step (see `Config.strided`).
   """
   if not isinstance(precision, Precisions):
     raise ValueError(f"precision must be a Precisions; got {precision!r}.")
   _check_raw(q, k, v, g, beta, initial_state, chunk=chunk,
              lower_bound=lower_bound, gated=False, interpret=interpret)
   b, _, h, kd = q.shape
-  t = Config(chunk=chunk, heads_per_block=_heads_per_block(h, heads_per_block),
+  t = Config(chunk=chunk,
+             heads_per_block=_heads_per_block(h, heads_per_block, strided),
              key_dim=kd, value_dim=v.shape[-1],
              has_initial_state=initial_state is not None,
-             precision=precision, interpret=bool(interpret))
+             precision=precision, interpret=bool(interpret),
+             strided=bool(strided))
   return _kda(t, q, k, v, g, beta, initial_state)
 
 
@@ -583,7 +634,7 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
         use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
-        heads_per_block=None, interpret=False):
+        heads_per_block=None, strided=False, interpret=False):
   """The KDA forward on the op's raw inputs, preparation inside the kernel.
 
   q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -609,10 +660,12 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   b, _, h, kd = q.shape
   prep = Prep(l2norm=bool(use_qk_l2norm), scale=float(scale),
               lower_bound=float(lower_bound) if gated else None)
-  t = Config(chunk=chunk, heads_per_block=_heads_per_block(h, heads_per_block),
+  t = Config(chunk=chunk,
+             heads_per_block=_heads_per_block(h, heads_per_block, strided),
              key_dim=kd, value_dim=v.shape[-1],
              has_initial_state=initial_state is not None,
-             precision=precision, interpret=bool(interpret), prep=prep)
+             precision=precision, interpret=bool(interpret), prep=prep,
+             strided=bool(strided))
   if not gated:
     a_log = dt_bias = None
   return _kda_raw(t, q, k, v, g, beta, initial_state, a_log, dt_bias)
@@ -676,20 +729,40 @@ _kda_raw.defvjp(_kda_raw_fwd, _kda_raw_bwd)
 
 
 def _specs(t: Config, b, seq, h, *, reverse=False):
-  """(n chunks, padded T, block specs) shared by the forward and backward."""
+  """(n chunks, padded T, block specs, views) shared by forward and backward.
+
+  `views` turn the op's arrays into what the blocks index: tok(x) for
+  [B, T, H, d] tensors, beta(x) for [B, T, H], and back with untok.
+  """
   c, hb, kd, vd = t.chunk, t.heads_per_block, t.key_dim, t.value_dim
   n = -(-seq // c)
+  tp = n * c
   nh = h // hb
   at = (lambda j: n - 1 - j) if reverse else (lambda j: j)
-  tok = lambda d: pl.BlockSpec((pl.squeezed, c, hb * d),
-                               lambda i, j: (i // nh, at(j), i % nh))
-  rows = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, hb, c),
-                      lambda i, j: (i // nh, at(j), i % nh, 0, 0))
   state = pl.BlockSpec((hb, kd, vd), lambda i, j: (i, 0, 0))
   chunk_state = pl.BlockSpec((hb, pl.squeezed, kd, vd),
                              lambda i, j: (i, at(j), 0, 0))
-  return n, n * c, dict(tok=tok, rows=rows, state=state,
-                        chunk_state=chunk_state)
+  lanes = pl.BlockSpec((1, hb * kd), lambda i, j: (0, i % nh))
+  if t.strided:  # rows (b, t, h) of [B*T*H, d]; all heads a step (nh = 1)
+    tok = lambda d: pl.BlockSpec((c * h, d), lambda i, j: (i * n + at(j), 0))
+    rows = pl.BlockSpec((c, h), lambda i, j: (i * n + at(j), 0))
+    views = dict(tok=lambda x: x.reshape(b * tp * h, x.shape[-1]),
+                 beta=lambda x: x.reshape(b * tp, h),
+                 untok=lambda x, d: x.reshape(b, tp, h, d),
+                 unbeta=lambda x: x.reshape(b, tp, h))
+  else:
+    tok = lambda d: pl.BlockSpec((pl.squeezed, c, hb * d),
+                                 lambda i, j: (i // nh, at(j), i % nh))
+    rows = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, hb, c),
+                        lambda i, j: (i // nh, at(j), i % nh, 0, 0))
+    views = dict(
+        tok=lambda x: x.reshape(b, tp, h * x.shape[-1]),
+        beta=lambda x: pallas_tpu._beta_rows(x, n, c, nh, hb),
+        untok=lambda x, d: x.reshape(b, tp, h, d),
+        unbeta=lambda x: jnp.transpose(x.reshape(b, n, h, c),
+                                       (0, 1, 3, 2)).reshape(b, tp, h))
+  return n, tp, dict(tok=tok, rows=rows, state=state,
+                     chunk_state=chunk_state, lanes=lanes), views
 
 
 def _params(budget):
@@ -708,9 +781,8 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   """
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
-  c, hb = t.chunk, t.heads_per_block
-  nh = h // hb
-  n, tp, spec = _specs(t, b, seq, h)
+  hb = t.heads_per_block
+  n, tp, spec, view = _specs(t, b, seq, h)
   q, k, v, beta = pallas_tpu._pad_time(tp, q, k, v, beta)
   # Padding tokens must leave the state alone: k = v = beta = 0 there, and a
   # log decay of 0 (a raw gate of -inf through the fused gate's sigmoid).
@@ -718,36 +790,35 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   if tp != seq:
     g = jnp.pad(g, [(0, 0), (0, tp - seq), (0, 0), (0, 0)],
                 constant_values=pad_g)
-  flat = lambda x: x.reshape(b, tp, h * x.shape[-1])
   tok = spec["tok"]
   in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
-  args = [flat(q), flat(k), flat(v), flat(g),
-          pallas_tpu._beta_rows(beta, n, c, nh, hb)]
+  args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
+          view["beta"](beta)]
   if t.gated:
-    lanes = pl.BlockSpec((1, hb * kd), lambda i, j: (0, i % nh))
-    in_specs += [lanes, lanes]
+    in_specs += [spec["lanes"], spec["lanes"]]
     rate = jnp.repeat(jnp.exp(a_log.astype(_F32)), kd).reshape(1, h * kd)
     args += [rate, dt_bias.astype(_F32).reshape(1, h * kd)]
   if t.has_initial_state:
     in_specs.append(spec["state"])
     args.append(initial_state.astype(_F32).reshape(b * h, kd, vd))
+  o_view = jax.eval_shape(view["tok"], jax.ShapeDtypeStruct(
+      (b, tp, h, vd), q.dtype))
   out_specs = [tok(vd), spec["state"]]
-  out_shape = [jax.ShapeDtypeStruct((b, tp, h * vd), q.dtype),
-               jax.ShapeDtypeStruct((b * h, kd, vd), _F32)]
+  out_shape = [o_view, jax.ShapeDtypeStruct((b * h, kd, vd), _F32)]
   if t.save_states:
     out_specs.append(spec["chunk_state"])
     out_shape.append(jax.ShapeDtypeStruct((b * h, n, kd, vd), _F32))
   out = pl.pallas_call(
       functools.partial(_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=0, grid=(b * nh, n), in_specs=in_specs,
+          num_scalar_prefetch=0, grid=(b * (h // hb), n), in_specs=in_specs,
           out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
       out_shape=out_shape,
       compiler_params=_params(vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
   )(*args)
-  o = out[0].reshape(b, tp, h, vd)[:, :seq]
+  o = view["untok"](out[0], vd)[:, :seq]
   return (o, out[1].reshape(b, h, kd, vd), *out[2:])
 
 
@@ -755,34 +826,32 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
 def _backward(t: Config, q, k, v, g, beta, states, do, dfinal):
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
-  c, hb = t.chunk, t.heads_per_block
-  nh = h // hb
-  n, tp, spec = _specs(t, b, seq, h, reverse=True)
+  hb = t.heads_per_block
+  n, tp, spec, view = _specs(t, b, seq, h, reverse=True)
   # Padding (k = v = beta = g = 0, dO = 0) adds nothing to any gradient.
   q, k, v, g, beta, do = pallas_tpu._pad_time(tp, q, k, v, g, beta, do)
-  flat = lambda x: x.reshape(b, tp, h * x.shape[-1])
   tok = spec["tok"]
   in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
               spec["chunk_state"], tok(vd), spec["state"]]
-  args = [flat(q), flat(k), flat(v), flat(g),
-          pallas_tpu._beta_rows(beta, n, c, nh, hb), states, flat(do),
+  args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
+          view["beta"](beta), states, view["tok"](do),
           dfinal.astype(_F32).reshape(b * h, kd, vd)]
-  shape = lambda d: jax.ShapeDtypeStruct((b, tp, h * d), _F32)
+  shape = lambda d: jax.eval_shape(
+      view["tok"], jax.ShapeDtypeStruct((b, tp, h, d), _F32))
+  db_shape = jax.eval_shape(view["beta"],
+                            jax.ShapeDtypeStruct((b, tp, h), _F32))
   dq, dk, dv, dg, db, ds0 = pl.pallas_call(
       functools.partial(_backward_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=0, grid=(b * nh, n), in_specs=in_specs,
+          num_scalar_prefetch=0, grid=(b * (h // hb), n), in_specs=in_specs,
           out_specs=[tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
                      spec["state"]],
           scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
-      out_shape=[shape(kd), shape(kd), shape(vd), shape(kd),
-                 jax.ShapeDtypeStruct((b, n, nh, hb, c), _F32),
+      out_shape=[shape(kd), shape(kd), shape(vd), shape(kd), db_shape,
                  jax.ShapeDtypeStruct((b * h, kd, vd), _F32)],
       compiler_params=_params(2 * vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
   )(*args)
-  unflat = lambda x, d: x.reshape(b, tp, h, d)[:, :seq]
-  dbeta = jnp.transpose(db.reshape(b, n, h, c), (0, 1, 3, 2)).reshape(
-      b, tp, h)[:, :seq]
+  unflat = lambda x, d: view["untok"](x, d)[:, :seq]
   return (unflat(dq, kd), unflat(dk, kd), unflat(dv, vd), unflat(dg, kd),
-          dbeta, ds0.reshape(b, h, kd, vd))
+          view["unbeta"](db)[:, :seq], ds0.reshape(b, h, kd, vd))
