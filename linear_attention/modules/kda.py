@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from linear_attention.modules import norms
 from linear_attention.modules import short_conv
+from linear_attention.ops import checks
 from linear_attention.ops.kda import api as kda_api
 from linear_attention.ops.kda import precision as precision_lib
 
@@ -76,47 +77,31 @@ def validate_kda_layer_args(
     precision: str = "auto",
 ) -> None:
   """Raises ValueError, naming the argument, unless the layer can be built."""
-  if context_axis is not None and not isinstance(context_axis, str):
-    raise ValueError(
-        f"context_axis must be None or a mesh axis name (str); got"
-        f" {context_axis!r}.")
-  for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
-  if (isinstance(expand_v, bool) or not isinstance(expand_v, (int, float))
-      or not math.isfinite(expand_v) or expand_v <= 0
-      or head_dim * expand_v != round(head_dim * expand_v)):
+  checks.mesh_axis_name("context_axis", context_axis)
+  checks.int_at_least("num_heads", num_heads, 1)
+  checks.int_at_least("head_dim", head_dim, 1)
+  if not (checks.is_number(expand_v) and math.isfinite(expand_v)
+          and expand_v > 0
+          and head_dim * expand_v == round(head_dim * expand_v)):
     raise ValueError(
         f"expand_v must be a positive number with head_dim * expand_v a"
         f" whole number (the value head dim); got expand_v={expand_v!r} with"
         f" head_dim={head_dim}.")
-  if isinstance(conv_size, bool) or not isinstance(conv_size, int) or (
-      conv_size < 0):
-    raise ValueError(
-        f"conv_size must be an int >= 0 (0 turns the short conv off); got"
-        f" {conv_size!r}.")
+  checks.int_at_least("conv_size", conv_size, 0,
+                      note=" (0 turns the short conv off)")
   kda_api.validate_lower_bound(lower_bound)
   kda_api.Backend.parse(backend)
-  if decay not in DECAYS:
-    raise ValueError(f"decay must be one of {DECAYS}; got {decay!r}.")
-  if not isinstance(use_output_gate, bool):
-    raise ValueError(
-        f"use_output_gate must be a bool; got {use_output_gate!r}.")
-  if num_v_heads is not None and (
-      isinstance(num_v_heads, bool) or not isinstance(num_v_heads, int)
-      or num_v_heads < 1 or num_v_heads % num_heads):
+  checks.one_of("decay", decay, DECAYS)
+  checks.boolean("use_output_gate", use_output_gate)
+  if num_v_heads is not None and not (
+      checks.is_int(num_v_heads) and num_v_heads >= 1
+      and num_v_heads % num_heads == 0):
     raise ValueError(
         f"num_v_heads must be None or a positive multiple of num_heads ="
         f" {num_heads}; got {num_v_heads!r}.")
-  if not isinstance(allow_neg_eigval, bool):
-    raise ValueError(
-        f"allow_neg_eigval must be a bool; got {allow_neg_eigval!r}.")
-  if chunk_size is not None and chunk_size not in kda_api.CHUNK_SIZES:
-    raise ValueError(f"chunk_size must be None or one of"
-                     f" {kda_api.CHUNK_SIZES}; got {chunk_size!r}.")
-  if not isinstance(precision, str) or precision not in precision_lib.NAMES:
-    raise ValueError(f"precision must be one of {precision_lib.NAMES}; got"
-                     f" {precision!r}.")
+  checks.boolean("allow_neg_eigval", allow_neg_eigval)
+  checks.one_of("chunk_size", chunk_size, kda_api.CHUNK_SIZES, optional=True)
+  checks.one_of("precision", precision, precision_lib.NAMES)
 
 
 class KDACache(NamedTuple):
@@ -295,8 +280,7 @@ class KimiDeltaAttention(hk.Module):
       y [B, T, D] in x.dtype; with `cache`, (y, new_cache); with
       `chunk_states_every`, (y, chunk_caches).
     """
-    if x.ndim != 3:
-      raise ValueError(f"x must have shape [B, T, D]; got {tuple(x.shape)}.")
+    checks.rank("x", x, 3, "[B, T, D]")
     b, t, d = x.shape
     cached = cache is not None
     every = chunk_states_every
@@ -343,9 +327,7 @@ class KimiDeltaAttention(hk.Module):
     """ValueError for a `chunk_states_every` this call cannot honour."""
     if every is None:
       return
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-      raise ValueError(
-          f"chunk_states_every must be None or an int >= 1; got {every!r}.")
+    checks.int_at_least("chunk_states_every", every, 1, optional=True)
     if cached:
       raise ValueError(
           "chunk_states_every is for a prefill from the start (cache=None);"

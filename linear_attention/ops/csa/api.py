@@ -17,10 +17,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-import numpy as np
 
 from linear_attention.ops import backend_enum
 from linear_attention.ops import backends
+from linear_attention.ops import checks
 from linear_attention.ops.csa import pallas
 from linear_attention.ops.csa import reference
 from linear_attention.ops.csa import xla_chunked
@@ -35,31 +35,16 @@ class Backend(backend_enum.BackendEnum):
 
 
 def _check(name, x, shape, what, *, integer=False):
-  if tuple(x.shape) != tuple(shape):
-    raise ValueError(f"{name} must have shape {what} = {tuple(shape)}; got"
-                     f" {tuple(x.shape)}.")
-  if integer and not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array; got {x.dtype}.")
-  if not integer and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"{name} must be a floating dtype; got {x.dtype}.")
-
-
-def _positive_int(name, v):
-  if v is not None and (not isinstance(v, (int, np.integer))
-                        or isinstance(v, bool) or v < 1):
-    raise ValueError(f"{name} must be None or an int >= 1; got {v!r}.")
+  checks.shape(name, x, shape, what)
+  (checks.integer_array if integer else checks.floating)(name, x)
 
 
 def _validate(q, k, w, *, softmax_scale, compress_rate, q_positions,
               block_last_positions, q_segment_ids, kv_segment_ids, backend,
               interpret, block_q, block_w, head_chunk):
-  if getattr(q, "ndim", None) != 4:
-    raise ValueError(
-        f"q must have shape [B, S, H, D]; got {getattr(q, 'shape', q)}.")
+  checks.rank("q", q, 4, "[B, S, H, D]")
   b, s, h, d = q.shape
-  if getattr(k, "ndim", None) != 3:
-    raise ValueError(f"k_compressed must have shape [B, W, D]; got"
-                     f" {getattr(k, 'shape', k)}.")
+  checks.rank("k_compressed", k, 3, "[B, W, D]")
   nw = k.shape[1]
   if min(b, s, h, d, nw) < 1:
     raise ValueError(f"q and k_compressed need B, S, H, D, W >= 1; got q"
@@ -67,14 +52,10 @@ def _validate(q, k, w, *, softmax_scale, compress_rate, q_positions,
   _check("q", q, q.shape, "[B, S, H, D]")
   _check("k_compressed", k, (b, nw, d), "[B, W, D] with q's B and D")
   _check("weights", w, (b, s, h), "[B, S, H]")
-  if isinstance(softmax_scale, bool) or not isinstance(
-      softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+  if not (checks.is_number(softmax_scale) and math.isfinite(softmax_scale)):
     raise ValueError(
         f"softmax_scale must be a finite number; got {softmax_scale!r}.")
-  if isinstance(compress_rate, bool) or not isinstance(
-      compress_rate, (int, np.integer)) or compress_rate < 1:
-    raise ValueError(f"compress_rate must be an int >= 1; got"
-                     f" {compress_rate!r}.")
+  checks.int_at_least("compress_rate", compress_rate, 1)
   if q_positions is not None:
     _check("q_positions", q_positions, (b, s), "[B, S]", integer=True)
   if block_last_positions is not None:
@@ -88,7 +69,7 @@ def _validate(q, k, w, *, softmax_scale, compress_rate, q_positions,
     _check("kv_segment_ids", kv_segment_ids, (b, nw), "[B, W]", integer=True)
   for name, v in (("block_q", block_q), ("block_w", block_w),
                   ("head_chunk", head_chunk)):
-    _positive_int(name, v)
+    checks.int_at_least(name, v, 1, optional=True)
   if backend is not Backend.PALLAS:
     if interpret is not None:
       raise ValueError("interpret applies only to backend='pallas'.")

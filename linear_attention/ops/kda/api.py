@@ -27,13 +27,12 @@ own runner: about one extra forward pass with V + K value columns.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from linear_attention.ops import backends
+from linear_attention.ops import checks
 from linear_attention.ops import context_axis as axes
 from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda import common
@@ -51,103 +50,59 @@ LOWER_BOUND_MIN = -5.0
 
 def validate_lower_bound(lower_bound: float | None, name="lower_bound") -> None:
   """Raises ValueError unless lower_bound is None or a float in [-5, 0)."""
-  if lower_bound is None:
-    return
-  if not isinstance(lower_bound, (int, float)) or not math.isfinite(
-      lower_bound) or not LOWER_BOUND_MIN <= lower_bound < 0:
-    raise ValueError(
-        f"{name} must be None or a finite number in [{LOWER_BOUND_MIN}, 0);"
-        f" got {lower_bound!r}.")
-
-
-def _check_shape(name, x, expected, what):
-  if x is None:
-    return
-  if tuple(x.shape) != tuple(expected):
-    raise ValueError(
-        f"{name} must have shape {what} = {tuple(expected)}; got"
-        f" {tuple(x.shape)}.")
-
-
-def _check_beta_range(beta, allow_neg_eigval):
-  """Raises ValueError if a concrete beta leaves [0, 1] ([0, 2] with the flag).
-
-  Traced values (under jit or grad) cannot be inspected and pass unchecked.
-  """
-  if isinstance(beta, jax.core.Tracer):
-    return
-  hi = 2.0 if allow_neg_eigval else 1.0
-  values = np.asarray(jax.device_get(beta), np.float64)
-  if values.size and not (np.all(values >= 0.0) and np.all(values <= hi)):
-    hint = ("" if allow_neg_eigval else
-            " (allow_neg_eigval=True accepts [0, 2])")
-    raise ValueError(
-        f"beta must lie in [0, {hi:g}]{hint}; got values in"
-        f" [{np.nanmin(values):g}, {np.nanmax(values):g}].")
+  checks.finite_in(name, lower_bound, LOWER_BOUND_MIN, 0, optional=True)
 
 
 def _validate(q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
               use_gate_in_kernel, initial_state, output_final_state,
               segment_ids, max_num_segments, allow_neg_eigval=False):
-  if q.ndim != 4:
-    raise ValueError(f"q must have shape [B, T, H, K]; got {tuple(q.shape)}.")
+  checks.rank("q", q, 4, "[B, T, H, K]")
   b, t, h, kd = q.shape
-  if v.ndim != 4:
-    raise ValueError(
-        f"v must have shape [B, T, HV, V]; got {tuple(v.shape)}.")
+  checks.rank("v", v, 4, "[B, T, HV, V]")
   hv, vd = v.shape[-2:]
   if t < 1 or b < 1 or h < 1 or kd < 1 or vd < 1:
     raise ValueError(
         f"q and v need B, T, H, K, V >= 1; got q {tuple(q.shape)}, v"
         f" {tuple(v.shape)}.")
-  _check_shape("k", k, (b, t, h, kd), "[B, T, H, K] like q")
+  checks.shape("k", k, (b, t, h, kd), "[B, T, H, K] like q")
   if v.shape[:2] != (b, t) or hv < h or hv % h:
     raise ValueError(
         f"v must have shape [B, T, HV, V] with q's B, T and HV (value heads)"
         f" a positive multiple of q's H = {h}; got {tuple(v.shape)}.")
   h = hv  # from here on, every per-head argument follows the value heads
-  _check_shape("g", g, (b, t, h, kd), "[B, T, HV, K]")
-  _check_shape("beta", beta, (b, t, h), "[B, T, HV]")
+  checks.shape("g", g, (b, t, h, kd), "[B, T, HV, K]")
+  checks.shape("beta", beta, (b, t, h), "[B, T, HV]")
   for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"{name} must be a floating dtype; got {x.dtype}.")
-  if scale is not None and not (
-      isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-    raise ValueError(f"scale must be None or a positive finite number; got"
-                     f" {scale!r}.")
+    checks.floating(name, x)
+  checks.positive_number("scale", scale, optional=True)
   validate_lower_bound(lower_bound)
   if use_gate_in_kernel:
     if a_log is None:
       raise ValueError(
           "a_log ([H]) is required when use_gate_in_kernel=True.")
-    _check_shape("a_log", a_log, (h,), "[HV]")
-    _check_shape("dt_bias", dt_bias, (h * kd,), "[HV * K]")
+    checks.shape("a_log", a_log, (h,), "[HV]")
+    checks.shape("dt_bias", dt_bias, (h * kd,), "[HV * K]")
   if segment_ids is not None:
-    _check_shape("segment_ids", segment_ids, (b, t), "[B, T]")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-      raise ValueError(
-          f"segment_ids must be an integer array; got {segment_ids.dtype}.")
+    checks.shape("segment_ids", segment_ids, (b, t), "[B, T]")
+    checks.integer_array("segment_ids", segment_ids)
     if max_num_segments is None and (initial_state is not None
                                      or output_final_state):
       raise ValueError(
           "max_num_segments (static N >= 1) is required when segment_ids is"
           " used with initial_state or output_final_state=True.")
-  if max_num_segments is not None and (
-      not isinstance(max_num_segments, int) or max_num_segments < 1):
-    raise ValueError(
-        f"max_num_segments must be an int >= 1; got {max_num_segments!r}.")
+  checks.int_at_least("max_num_segments", max_num_segments, 1, optional=True)
   if initial_state is not None:
     if segment_ids is None:
-      _check_shape("initial_state", initial_state, (b, h, kd, vd),
+      checks.shape("initial_state", initial_state, (b, h, kd, vd),
                    "[B, HV, K, V]")
     else:
-      _check_shape("initial_state", initial_state,
+      checks.shape("initial_state", initial_state,
                    (b, max_num_segments, h, kd, vd),
                    "[B, max_num_segments, HV, K, V] with segment_ids")
-  if not isinstance(allow_neg_eigval, bool):
-    raise ValueError(
-        f"allow_neg_eigval must be a bool; got {allow_neg_eigval!r}.")
-  _check_beta_range(beta, allow_neg_eigval)
+  checks.boolean("allow_neg_eigval", allow_neg_eigval)
+  checks.values_in("beta", beta, 0.0, 2.0 if allow_neg_eigval else 1.0,
+                   hint="" if allow_neg_eigval else
+                   " (allow_neg_eigval=True accepts [0, 2])")
 
 
 def kimi_delta_attention(
@@ -300,14 +255,10 @@ def kimi_delta_attention(
 def _check_chunk_states(output_chunk_states, every, backend, *, t_local,
                         context_axis) -> None:
   """ValueError / NotImplementedError for a chunk-state request."""
-  if not isinstance(output_chunk_states, bool):
-    raise ValueError(f"output_chunk_states must be a bool; got"
-                     f" {output_chunk_states!r}.")
+  checks.boolean("output_chunk_states", output_chunk_states)
   if not output_chunk_states:
     return
-  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-    raise ValueError(f"chunk_states_every must be an int >= 1; got"
-                     f" {every!r}.")
+  checks.int_at_least("chunk_states_every", every, 1)
   if context_axis is not None and t_local % every:
     raise ValueError(
         f"chunk_states_every ({every}) must divide each rank's sequence"
@@ -322,14 +273,8 @@ def _check_chunk_states(output_chunk_states, every, backend, *, t_local,
 def _tuning(backend: Backend, chunk_size, group_width, precision,
             dtype) -> dict:
   """The backend's schedule and precision arguments, checked."""
-  if chunk_size is not None and chunk_size not in CHUNK_SIZES:
-    raise ValueError(f"chunk_size must be None or one of {CHUNK_SIZES};"
-                     f" got {chunk_size!r}.")
-  if group_width is not None and (isinstance(group_width, bool) or not
-                                  isinstance(group_width, int)
-                                  or group_width < 1):
-    raise ValueError(
-        f"group_width must be None or an int >= 1; got {group_width!r}.")
+  checks.one_of("chunk_size", chunk_size, CHUNK_SIZES, optional=True)
+  checks.int_at_least("group_width", group_width, 1, optional=True)
   if backend is Backend.MOSAIC and chunk_size not in (None, mosaic.CHUNK):
     raise NotImplementedError(
         f"backend='mosaic' runs tokamax's kernel on {mosaic.CHUNK}-token"
