@@ -2,7 +2,7 @@ r"""Exports an experiment's training step for a TPU from any host: a dry run.
 
   python -m experiments.export_tpu --config=configs/mqar.py:tpu --chip=v6e
   python -m experiments.export_tpu --config=configs/mqar.py:smoke \
-      --config.model.kda.backend=mosaic --chip=v6e
+      --config.model.kda.backend=tokamax --chip=v6e
 
 Builds the config's program (`experiments.program.build_program`: model,
 loss, AdamW, the jitted train step) and, inside
@@ -15,20 +15,20 @@ their names, the number per KDA layer and the serialized size, and exits
 non-zero (1; 2 for a bad flag) naming the problem when:
 
 * the lowering fails (the exception, with a hint for the known causes);
-* the model uses KDA but its backend does not resolve to "mosaic" on `chip`
-  (`--config.model.kda.backend=chunked`, or "auto" on a TPU before v6): a
-  non-Mosaic path was traced;
+* the model uses KDA but its backend does not resolve to "tokamax"
+  (tokamax's Mosaic kernel) on `chip` (`--config.model.kda.backend=chunked`,
+  or "auto" on a TPU before v6): a non-Mosaic path was traced;
 * fewer Mosaic kernels than the KDA layers need were traced (a layer ran
   another backend: a "chunked fallback"), or no forward or no backward
   kernel;
-* `chip` is older than TPU v6: the module lowers (the mode skips tokamax's
-  device check), but on that TPU tokamax raises NotImplementedError.
+* the backend cannot run on `chip` (its `supports_target`: tokamax's
+  kernel needs TPU v6+), so the op refuses to trace it there.
 
 How the checks are made, and why:
 
 * Backend resolution. The report's backend is the op's answer for the kind
   JAX reports for that chip (`kda_api.resolved_backend(..., device_kind=)`,
-  i.e. `backends.resolve`), the same decision the
+  the op's registry), the same decision the
   layers make while traced inside `lowering_mode` (which names the chip as
   the target device). The
   train step has no decode pieces (no cache), so the other fallback of
@@ -66,7 +66,7 @@ model (`jax.eval_shape` runs outside the mode, where nothing may execute).
 
 Known limits (the tool reports them; fixes belong in `linear_attention/`):
 
-* mosaic with mesh.context > 1 needs K, V multiples of 128 (tokamax's
+* tokamax with mesh.context > 1 needs K, V multiples of 128 (tokamax's
   context-parallel kernel).
 * The tool is a check of the Mosaic path; it fails on the others (a
   `chunked` step lowers too, with the TPU's 64-token chunk).
@@ -92,9 +92,11 @@ from configs import common as config_lib
 from experiments import model as model_lib
 from experiments import program as program_lib
 from experiments import tasks as tasks_lib
-from linear_attention.ops import backends
 from linear_attention.ops.kda import api as kda_api
 from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import tokamax_kernel
+
+TOKAMAX = tokamax_kernel.NAME  # the backend whose kernels this tool counts
 
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
 
@@ -103,8 +105,8 @@ _HINTS = (
     ("manual_axis_type",
      "tokamax's Pallas kernels do not trace inside jax.shard_map with"
      " check_vma=True; the program passes check_vma=False to"
-     " linear_attention.parallel.train.shard_loss_fn for mosaic, and a"
-     " shard_map of your own around a mosaic call must too (a tracing"
+     " linear_attention.parallel.train.shard_loss_fn for tokamax, and a"
+     " shard_map of your own around a tokamax call must too (a tracing"
      " error: a TPU fails the same way)."),
     ("Unsupported TPU device kind",
      "Pallas' Mosaic lowering read the TPU info of the host device: a"
@@ -222,7 +224,7 @@ def _abstract_inputs(config, prog, mesh):
   """ShapeDtypeStructs of (params, opt_state, batch), sharded on `mesh`."""
   t = prog.task.seq_len
   # The parameters' shapes do not depend on the KDA backend: take them from a
-  # `reference` build, which traces on any host (the mosaic kernel traces
+  # `reference` build, which traces on any host (the tokamax kernel traces
   # only inside `lowering_mode`, which allows nothing but lowering).
   shapes = config.copy_and_resolve_references()
   if model_lib.uses_kda(config.model):
@@ -305,9 +307,9 @@ def export_train_step(config, chip) -> Report:
     num_kda_layers = config.model.num_layers
   exported, kernels = _lower(config, chip)
   per_layer = None
-  if num_kda_layers == 1 and target == backends.Backend.MOSAIC.value:
+  if num_kda_layers == 1 and target == TOKAMAX:
     per_layer = kernels
-  elif num_kda_layers > 1 and target == backends.Backend.MOSAIC.value:
+  elif num_kda_layers > 1 and target == TOKAMAX:
     _, per_layer = _lower(
         config_lib.apply_diff(config, {"model.num_layers": 1}), chip)
   size, how = _serialized_size(exported)
@@ -323,31 +325,23 @@ def problems(report: Report) -> list[str]:
   """What stops `report`'s config from running the Mosaic kernel; [] if OK."""
   if not report.num_kda_layers:
     return []
-  mosaic_name = backends.Backend.MOSAIC.value
   chip = report.chip.removeprefix("TPU_").lower()
-  if report.backend != mosaic_name:
+  if report.backend != TOKAMAX:
     why = ""
-    if report.requested_backend == backends.Backend.AUTO.value:
-      kind = device_kind(report.chip)
-      if (report.generation >= backends.MOSAIC_MIN_TPU_GENERATION
-          and backends.tpu_generation(kind) is None):
-        why = (f" (backends.tpu_generation does not read {kind!r}, the device"
-               " kind JAX reports on this chip, as a TPU generation, so"
-               " 'auto' takes the non-TPU branch)")
-      else:
-        why = (f" ('auto' picks mosaic on TPU v"
-               f"{backends.MOSAIC_MIN_TPU_GENERATION}+ only)")
+    if report.requested_backend == "auto":
+      reason = kda_api.supports_target(TOKAMAX, device_kind(report.chip))
+      why = f" ('auto' passes over {TOKAMAX!r} there: {reason})"
     return [
         f"the config's KDA backend {report.requested_backend!r} resolves to"
-        f" {report.backend!r} on {chip}{why}, not 'mosaic': a non-Mosaic"
+        f" {report.backend!r} on {chip}{why}, not {TOKAMAX!r}: a non-Mosaic"
         f" path was traced ({report.num_kernels} tpu_custom_call,"
         f" {report.num_kda_layers} KDA layers). Pass"
-        " --config.model.kda.backend=mosaic to check the Mosaic path."]
+        f" --config.model.kda.backend={TOKAMAX} to check the Mosaic path."]
   found = []
   if report.num_kernels == 0:
     found.append(
         f"no Mosaic kernel (tpu_custom_call) in the module although"
-        f" {report.num_kda_layers} KDA layers run backend 'mosaic': they ran"
+        f" {report.num_kda_layers} KDA layers run backend {TOKAMAX!r}: they ran"
         " another path (a chunked fallback).")
   else:
     for direction in (FORWARD, BACKWARD):
@@ -372,18 +366,13 @@ def problems(report: Report) -> list[str]:
 
 
 def _old_chip_problem(chip) -> str | None:
-  """Why backend "mosaic" cannot run on `chip`, or None if it can."""
-  generation = chip_generation(chip)
-  if generation >= backends.MOSAIC_MIN_TPU_GENERATION:
+  """Why backend "tokamax" cannot run on `chip` (the backend's own answer,
+  `supports_target`), or None if it can."""
+  reason = kda_api.supports_target(TOKAMAX, device_kind(chip))
+  if reason is None:
     return None
-  name = mosaic.chip_version(chip).name.removeprefix("TPU_").lower()
-  return (
-      f"tokamax's Mosaic KDA kernel supports TPU"
-      f" v{backends.MOSAIC_MIN_TPU_GENERATION}+ only"
-      " (PallasMosaicTpuKimiDeltaAttention.supported_on); on"
-      f" {name} (generation {generation}) the op raises NotImplementedError"
-      " at run time even where the module lowers (lowering_mode skips that"
-      " device check). Use --config.model.kda.backend=chunked on this TPU.")
+  return (f"backend {TOKAMAX!r} cannot run on {device_kind(chip)}: {reason}"
+          " Use --config.model.kda.backend=chunked on this TPU.")
 
 
 def format_report(report: Report) -> str:
@@ -453,10 +442,10 @@ def main(argv: list[str]) -> int:
   except (ExportError, ValueError) as e:  # ValueError: a bad backend name
     err(e)
     try:
-      wants_mosaic = target_backend(config, chip) == "mosaic"
+      wants_tokamax = target_backend(config, chip) == TOKAMAX
     except ValueError:
-      wants_mosaic = False
-    old_chip = _old_chip_problem(chip) if wants_mosaic else None
+      wants_tokamax = False
+    old_chip = _old_chip_problem(chip) if wants_tokamax else None
     if old_chip:
       err(old_chip)
     return 1

@@ -264,15 +264,15 @@ def host_context(model):
   """What running the model on this host needs, as a context manager.
 
   Pallas interpret mode (`experiments.interpret`: seconds per call, tiny
-  shapes only) when the op says its backend runs interpreted here (`mosaic`
-  off TPU); nothing otherwise.
+  shapes only) when the op says its backend runs interpreted here
+  (`tokamax` off TPU); nothing otherwise.
   """
   if not (uses_kda(model) and kda_api.runs_interpreted(model.kda.backend)):
     return contextlib.nullcontext()
   logging.info(
-      "KDA backend is mosaic and the default device is %s, not a TPU:"
+      "KDA backend %s needs a TPU and the default device is %s:"
       " running inside experiments.interpret.interpret_mode() (Pallas"
-      " interpret mode, slow).", jax.default_backend())
+      " interpret mode, slow).", kda_backend(model), jax.default_backend())
   return interpret.interpret_mode()
 
 

@@ -332,11 +332,11 @@ def _loss_fn(config, model, mesh, vocab_size):
       return nll / denom, correct / denom
     return loss_fn
   # tokamax's Pallas kernels do not trace under shard_map's check_vma.
-  may_run_mosaic = model_lib.uses_kda(config.model) and (
-      kda_api.may_run_mosaic(config.model.kda.backend))
+  check_vma = not model_lib.uses_kda(config.model) or (
+      kda_api.traces_under_check_vma(config.model.kda.backend))
   return parallel_train.shard_loss_fn(
       sums_fn, mesh, "data", "context" if config.mesh.context > 1 else None,
-      has_aux=True, check_vma=not may_run_mosaic)
+      has_aux=True, check_vma=check_vma)
 
 
 def _train_step(loss_fn, optimizer, shapes):

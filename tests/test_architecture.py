@@ -148,29 +148,37 @@ def test_a_planted_upward_import_and_cycle_are_caught(tmp_path):
         "linear_attention.ops.kda.api")
 
 
-# One owner for every decision: the KDA backend is resolved by the op alone.
-RESOLVER = "linear_attention.ops.backends"
+# One owner for every decision: an op's backend is resolved by the op alone
+# (its `api` and the registries of `linear_attention.ops.backends`).
+OPS = "linear_attention.ops"
+DECIDERS = ("resolve", "choose", "require")  # `backends.Registry`'s, api's
 
 
 def _resolve_calls(source: str) -> list[int]:
-  """Lines that call `backends.resolve` (or `resolve` imported from it)."""
+  """Lines that make a backend decision: `<ops module or BACKENDS>.resolve`
+  (or `choose`, `require`), or such a function imported from `ops`."""
   tree = ast.parse(source)
-  aliases = {a.asname or a.name for node in ast.walk(tree)
-             if isinstance(node, ast.ImportFrom) and node.module == RESOLVER
-             for a in node.names if a.name == "resolve"}
-  modules = {a.asname or a.name.split(".")[-1] for node in ast.walk(tree)
-             if isinstance(node, (ast.Import, ast.ImportFrom))
-             for a in node.names
-             if f"{getattr(node, 'module', None)}.{a.name}" == RESOLVER
-             or a.name == RESOLVER}
+  imported = [(node.module or "", a) for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) for a in node.names] + [
+                  ("", a) for node in ast.walk(tree)
+                  if isinstance(node, ast.Import) for a in node.names]
+  from_ops = lambda module, a: f"{module}.{a.name}".lstrip(".").startswith(
+      OPS)
+  aliases = {a.asname or a.name for module, a in imported
+             if from_ops(module, a) and a.name in DECIDERS}
+  modules = {a.asname or a.name.split(".")[-1] for module, a in imported
+             if from_ops(module, a) and a.name.split(".")[-1] in (
+                 "api", "backends")}
   lines = []
   for node in ast.walk(tree):
     if not isinstance(node, ast.Call):
       continue
     f = node.func
-    if (isinstance(f, ast.Attribute) and f.attr == "resolve"
-        and isinstance(f.value, ast.Name) and f.value.id in modules) or (
-            isinstance(f, ast.Name) and f.id in aliases):
+    if isinstance(f, ast.Attribute) and f.attr in DECIDERS:
+      owner = _dotted(f.value)
+      if owner.split(".")[0] in modules or owner.endswith("BACKENDS"):
+        lines.append(node.lineno)
+    elif isinstance(f, ast.Name) and f.id in aliases:
       lines.append(node.lineno)
   return lines
 
@@ -181,18 +189,23 @@ def test_the_backend_is_resolved_in_ops_only(name):
   with open(MODULES[name]) as f:
     lines = _resolve_calls(f.read())
   assert not lines, (
-      f"{name} calls backends.resolve at lines {lines}: the op decides the"
-      " backend; ask `linear_attention.ops.kda.api.resolved_backend`.")
+      f"{name} decides a backend at lines {lines}: the op decides it; ask"
+      " `linear_attention.ops.kda.api.resolved_backend`.")
 
 
 def test_a_planted_resolve_call_is_caught():
   assert _resolve_calls(
-      "from linear_attention.ops import backends\n"
-      "backends.resolve('auto')\n") == [2]
+      "from linear_attention.ops.kda import api as kda_api\n"
+      "kda_api.resolve('auto', call)\n"
+      "kda_api.BACKENDS.choose('auto', target)\n") == [2, 3]
   assert _resolve_calls(
-      "from linear_attention.ops.backends import resolve as r\nr('auto')\n"
+      "from linear_attention.ops.kda.api import resolve as r\nr('auto')\n"
   ) == [2]
-  assert _resolve_calls("import re\nre.compile('x')\n") == []
+  assert _resolve_calls("import re\nre.compile('x')\n"
+                        "from linear_attention.ops.kda import api\n"
+                        "api.resolved_backend('auto')\n"
+                        "from linear_attention.ops.kda import precision\n"
+                        "precision.resolve('auto', x)\n") == []
 
 
 # Tests pass the library arguments; they never patch its module globals.

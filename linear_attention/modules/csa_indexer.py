@@ -102,7 +102,7 @@ class CompressedSparseIndexer(hk.Module):
                        f" got {rope_dim}.")
     checks.positive_number("rope_theta", rope_theta)
     checks.positive_number("norm_eps", norm_eps)
-    self.score_backend = csa_api.Backend.parse(score_backend)
+    self.score_backend = csa_api.BACKENDS.parse(score_backend)
     self.num_heads, self.head_dim = num_heads, head_dim
     self.compress_rate, self.topk = compress_rate, topk
     self.rope_dim, self.q_rank, self.rope_theta = rope_dim, q_rank, rope_theta

@@ -37,7 +37,7 @@ Choices written down here:
   linear recurrence track state such as parity (`experiments/tasks/
   parity.py`).
 * The backend is the op's decision: the layer passes `backend` through, and
-  with backend="mosaic" the op runs decode pieces whose T is not a multiple
+  with backend="tokamax" the op runs decode pieces whose T is not a multiple
   of 64 on "chunked" (logged once); the kernel needs T % 64 == 0.
 """
 
@@ -90,7 +90,7 @@ def validate_kda_layer_args(
   checks.int_at_least("conv_size", conv_size, 0,
                       note=" (0 turns the short conv off)")
   kda_api.validate_lower_bound(lower_bound)
-  kda_api.Backend.parse(backend)
+  kda_api.BACKENDS.parse(backend)
   checks.one_of("decay", decay, DECAYS)
   checks.boolean("use_output_gate", use_output_gate)
   if num_v_heads is not None and not (
@@ -180,7 +180,9 @@ class KimiDeltaAttention(hk.Module):
   expand_v: float = 1.0  # value head dim V = head_dim * expand_v.
   conv_size: int = 4  # W taps of the short conv; 0 = no conv, SiLU only.
   lower_bound: float | None = None  # None: softplus gate; else in [-5, 0).
-  backend: str = "chunked"  # KDA core: "reference" | "chunked" | "mosaic".
+  # KDA core: a name of `linear_attention.ops.kda.api.BACKENDS`
+  # ("reference", "chunked", "tokamax", "auto"; "mosaic" = "tokamax").
+  backend: str = "chunked"
   # Mesh axis T is split over when called inside jax.shard_map (context
   # parallelism; passed to the short convs and the op), or None.
   context_axis: str | None = None

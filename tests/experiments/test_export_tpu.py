@@ -4,7 +4,7 @@ Tracing and lowering only (`jax.export` for platforms=["tpu"] inside
 `mosaic.lowering_mode`); nothing is compiled or run. Each export takes a few
 seconds on a CPU.
 
-* the full MQAR step (2 KDA layers, loss, AdamW) with backend="mosaic" holds
+* the full MQAR step (2 KDA layers, loss, AdamW) with backend="tokamax" holds
   tokamax's forward and backward kernels for every layer, the same kernels
   a direct export of the op gives, and no chunked fallback; a layer forced
   onto "chunked" is caught;
@@ -12,7 +12,7 @@ seconds on a CPU.
   and so do the Mosaic data-parallel and context-parallel steps and a
   bfloat16 Mosaic step (JAX's abstract-mesh cross-lowering: nothing in JAX
   or tokamax is patched);
-* the CLI: exit 0 and the kernel count for mosaic, non-zero naming the
+* the CLI: exit 0 and the kernel count for tokamax, non-zero naming the
   problem for chunked and for a bad chip;
 * the `tpu` config variants.
 """
@@ -33,6 +33,7 @@ from experiments import export_tpu
 from experiments import program as program_lib
 from linear_attention import ops
 from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import tokamax_kernel
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -63,11 +64,11 @@ def _op_kernels(b, t, h, kd, lower_bound):
 
 @pytest.mark.slow
 def test_full_mqar_step_holds_mosaic_kernels_for_every_layer():
-  config = _config("", **{"model.kda.backend": "mosaic"})
+  config = _config("", **{"model.kda.backend": "tokamax"})
   report = export_tpu.export_train_step(config, "v6e")
   assert report.exported.platforms == ("tpu",)
   assert report.num_kda_layers == config.model.num_layers == 2
-  assert report.backend == "mosaic" and report.num_devices == 1
+  assert report.backend == "tokamax" and report.num_devices == 1
   # Every layer: forward kernels and backward (VJP) kernels.
   assert report.count(FORWARD) >= 2 and report.count(BACKWARD) >= 2
   assert report.count(export_tpu.OTHER) == 0
@@ -88,7 +89,7 @@ def test_problems_flag_missing_kernels_and_old_chips():
   per_layer = collections.Counter({(FORWARD, "f"): 2, (BACKWARD, "b"): 3})
   report = export_tpu.Report(
       chip="TPU_V6E", generation=6, requested_backend="mosaic",
-      backend="mosaic", num_kda_layers=2, num_devices=1,
+      backend="tokamax", num_kda_layers=2, num_devices=1,
       kernels=per_layer + per_layer, per_layer=per_layer,
       serialized_bytes=1, serialized_how="test")
   assert export_tpu.problems(report) == []
@@ -106,8 +107,9 @@ def test_problems_flag_missing_kernels_and_old_chips():
   auto = dataclasses.replace(report, chip="TPU_V5P", generation=5,
                              requested_backend="auto", backend="chunked")
   (problem,) = export_tpu.problems(auto)
-  assert "'auto' picks mosaic on TPU v6+ only" in problem
-  assert "not 'mosaic'" in problem
+  # The backend's own reason (its supports_target), not a rule restated.
+  assert "'auto' passes over 'tokamax' there" in problem
+  assert "v6+ only" in problem and "not 'tokamax'" in problem
   no_kda = dataclasses.replace(report, num_kda_layers=0, backend=None,
                                kernels=collections.Counter())
   assert export_tpu.problems(no_kda) == []
@@ -183,7 +185,7 @@ def test_auto_backend_resolves_to_mosaic_for_the_chip_while_traced():
     report = export_tpu.export_train_step(
         _config(**{"model.kda.backend": "auto", "mesh.data": mesh_data}),
         "v6e")
-    assert report.requested_backend == "auto" and report.backend == "mosaic"
+    assert report.requested_backend == "auto" and report.backend == "tokamax"
     assert export_tpu.problems(report) == []
     assert report.count(FORWARD) >= 1 and report.count(BACKWARD) >= 1
 
@@ -216,8 +218,8 @@ def _main(capsys, *args):
   return status, out, err
 
 
-def test_cli_mosaic_smoke_exits_0_and_prints_the_kernels(capsys):
-  status, out, err = _main(capsys, "--config.model.kda.backend=mosaic",
+def test_cli_tokamax_smoke_exits_0_and_prints_the_kernels(capsys):
+  status, out, err = _main(capsys, "--config.model.kda.backend=tokamax",
                            "--chip=v6e")
   assert status == 0, err
   n = int(re.search(r"Mosaic kernels \(tpu_custom_call call sites\): (\d+)",
@@ -232,7 +234,7 @@ def test_cli_chunked_exits_nonzero_naming_the_backend(capsys):
   status, out, err = _main(capsys, "--config.model.kda.backend=chunked",
                            "--chip=v6e")
   assert status == 1
-  assert "'chunked'" in err and "not 'mosaic'" in err
+  assert "'chunked'" in err and "not 'tokamax'" in err
   assert "Mosaic kernels (tpu_custom_call call sites): 0" in out
 
 
@@ -251,7 +253,7 @@ def test_tpu_variants_fit_their_mesh_and_the_kernel(module):
   assert config.train.batch_size % data == 0
   assert config.train.eval_batch_size % data == 0
   task = program_lib.tasks_lib.make_task(**config.task.to_dict())
-  if config.model.kda.backend == "mosaic":
-    assert task.seq_len % mosaic.CHUNK == 0
+  if config.model.kda.backend == "tokamax":
+    assert task.seq_len % tokamax_kernel.CHUNK == 0
   with pytest.raises(ValueError, match="'tpu'"):
     module.get_config("tpuu")

@@ -334,7 +334,8 @@ def test_cli_mosaic_backend_runs_in_interpret_mode(tmp_path):
   assert "interpret.interpret_mode" in result.stderr
   with open(tmp_path / "summary.json") as f:
     summary = json.load(f)
-  assert summary["backend"] == "mosaic" and summary["steps"] == 1
+  # The resolved name: "mosaic" is the old name of "tokamax".
+  assert summary["backend"] == "tokamax" and summary["steps"] == 1
   assert summary["seq_len"] % 64 == 0
 
 

@@ -18,6 +18,26 @@ train at long S.
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import backends
+from linear_attention.ops.csa import common
+
+NAME = "reference"
+OPTIONS = ()  # tuning arguments it takes
+
+
+def supports_target(target: backends.Target) -> str | None:
+  del target  # plain XLA: every device
+  return None
+
+
+def supports(call: common.Call) -> str | None:
+  del call  # every call the op accepts
+  return None
+
+
+def run(call: common.Call):
+  return call.run(score_reference)
+
 
 def visible_mask(q_positions, block_last_positions, q_segment_ids=None,
                  kv_segment_ids=None):
