@@ -43,9 +43,12 @@ How the checks are made, and why:
   `main`. Each kernel is classed forward or backward from the tokamax op
   recorded in its metadata (`PallasMosaicTpuKimiDeltaAttention` /
   `...Vjp`). The kernels of one layer are measured by exporting the same
-  config with `model.num_layers=1` (skipped when it already has one layer);
-  the full step must hold `num_layers` times that multiset. This does not
-  depend on how many kernels tokamax's version splits the op into.
+  config with one layer of its first mixer that runs the KDA op
+  (`model.num_layers=1`, `model.mixer` that name; skipped when the config
+  has one layer);
+  the full step must hold one multiset per layer that runs the KDA op (a
+  hybrid's attention layers run none). This does not depend on how many
+  kernels tokamax's version splits the op into.
 * Serialization: optax's state types are not registered for
   `Exported.serialize`, so the step is exported over its flattened leaves
   (the same computation; `in_tree` is then a flat tuple). Serializing needs
@@ -126,9 +129,10 @@ class Report:
 
   chip: str  # pltpu.ChipVersion name, e.g. "TPU_V6E"
   generation: int  # TPU generation of `chip`
-  requested_backend: str | None  # config.model.kda.backend (None: no KDA)
+  # The KDA op backend the layers ask for (None: no layer runs the op).
+  requested_backend: str | None
   backend: str | None  # what it resolves to on `chip` (what was traced)
-  num_kda_layers: int
+  num_kda_layers: int  # layers that run the KDA op (capability op_backend)
   num_devices: int  # devices the exported module runs on
   kernels: collections.Counter  # (direction, kernel name) -> call sites
   per_layer: collections.Counter | None  # the same for one KDA layer
@@ -153,10 +157,27 @@ def chip_generation(chip) -> int:
 
 def target_backend(config, chip) -> str | None:
   """The KDA backend a run of `config` uses on `chip`, or None (no KDA)."""
-  if not model_lib.uses_kda(config.model):
+  requested = _requested_backend(config)
+  if requested is None:
     return None
-  return kda_api.resolved_backend(config.model.kda.backend,
-                                  device_kind=device_kind(chip))
+  return kda_api.resolved_backend(requested, device_kind=device_kind(chip))
+
+
+def _requested_backend(config) -> str | None:
+  """The KDA backend the model's layers ask for; None if none takes one."""
+  backends = set(model_lib.op_backends(config.model))
+  if len(backends) > 1:
+    raise ExportError(f"the layers ask for several KDA backends"
+                      f" {sorted(backends)}; the tool checks one.")
+  return backends.pop() if backends else None
+
+
+def _one_layer(config):
+  """`config` with one layer, of its first mixer that runs the KDA op: the
+  model whose kernels make up one layer's share of the train step."""
+  (entry, *_) = model_lib.mixers_with(config.model, "op_backend")
+  return config_lib.apply_diff(
+      config, {"model.num_layers": 1, "model.mixer": entry.name})
 
 
 _FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([^\s(]+)\(",
@@ -227,8 +248,8 @@ def _abstract_inputs(config, prog, mesh):
   # `reference` build, which traces on any host (the tokamax kernel traces
   # only inside `lowering_mode`, which allows nothing but lowering).
   shapes = config.copy_and_resolve_references()
-  if model_lib.uses_kda(config.model):
-    shapes.model.kda.backend = "reference"
+  for section in model_lib.sections_with(config.model, "op_backend"):
+    shapes.model[section].backend = "reference"
   shape_prog = program_lib.build_program(shapes)
   params = jax.eval_shape(shape_prog.init, jax.random.key(config.seed),
                           jax.ShapeDtypeStruct((1, t), jnp.int32))
@@ -299,19 +320,15 @@ def export_train_step(config, chip) -> Report:
     ExportError: the config is invalid or the lowering failed.
   """
   chip_name = mosaic.chip_version(chip).name
-  requested = target = None
-  num_kda_layers = 0
-  if model_lib.uses_kda(config.model):
-    requested = str(config.model.kda.backend)
-    target = target_backend(config, chip)
-    num_kda_layers = config.model.num_layers
+  requested = _requested_backend(config)
+  target = target_backend(config, chip)
+  num_kda_layers = model_lib.count_layers_with(config.model, "op_backend")
   exported, kernels = _lower(config, chip)
   per_layer = None
-  if num_kda_layers == 1 and target == TOKAMAX:
+  if target == TOKAMAX and config.model.num_layers == 1:
     per_layer = kernels
-  elif num_kda_layers > 1 and target == TOKAMAX:
-    _, per_layer = _lower(
-        config_lib.apply_diff(config, {"model.num_layers": 1}), chip)
+  elif target == TOKAMAX:
+    _, per_layer = _lower(_one_layer(config), chip)
   size, how = _serialized_size(exported)
   return Report(chip=chip_name, generation=chip_generation(chip),
                 requested_backend=requested, backend=target,

@@ -20,8 +20,10 @@ ALLOWED = {
     "configs": ("configs",),
     "cli": ("configs", "experiments", "linear_attention"),
     "benchmarks": ("benchmarks", "configs", "experiments", "linear_attention"),
-    "experiments": ("experiments", "linear_attention.modules",
-                    "linear_attention.ops", "linear_attention.parallel"),
+    # configs.validation: the config checks, plain Python (no numerics).
+    "experiments": ("configs.validation", "experiments",
+                    "linear_attention.modules", "linear_attention.ops",
+                    "linear_attention.parallel"),
     "linear_attention.modules": ("linear_attention.modules",
                                  "linear_attention.ops"),
     "linear_attention.parallel": ("linear_attention.parallel",
@@ -32,6 +34,13 @@ ALLOWED = {
 }
 # Configs are plain data: loading one imports no numerics.
 FORBIDDEN = {"configs": ("jax", "haiku", "optax", "tokamax", "chex", "numpy")}
+# Within a layer: modules that sit below the rest of it (nothing of the
+# project, or only these), so that every other module may use them.
+LEAVES = {
+    "linear_attention.ops.checks": (),  # the op layer's argument checks
+    "linear_attention.modules.mixer": (),  # the mixer contract
+    "configs.validation": (),  # the config checks
+}
 
 
 def _modules():
@@ -109,6 +118,37 @@ def test_imports_point_down(name):
   if layer != "linear_attention.testing" and name.startswith(
       "linear_attention"):
     assert "linear_attention.testing" not in GRAPH[name], name
+
+
+@pytest.mark.parametrize("name", sorted(LEAVES))
+def test_leaves_import_nothing_of_the_layer_above_them(name):
+  allowed = LEAVES[name]
+  bad = [m for m in sorted(GRAPH[name]) if _project(m) and not any(
+      m == a or m.startswith(a + ".") for a in allowed)]
+  assert not bad, f"{name} imports {bad}; it may import only {allowed}."
+
+
+def _backend_modules():
+  """The modules registered as backends (they define `NAME`, `supports`)."""
+  for name, path in sorted(MODULES.items()):
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assigned = {t.id for n in tree.body if isinstance(n, ast.Assign)
+                for t in n.targets if isinstance(t, ast.Name)}
+    if {"supports", "supports_target", "run"} <= defined and "NAME" in assigned:
+      yield name
+
+
+def test_backends_do_not_import_their_ops_entry_point():
+  found = list(_backend_modules())
+  assert "linear_attention.ops.kda.tokamax_kernel" in found
+  assert "linear_attention.ops.csa.pallas" in found
+  for name in found:
+    api = name.rsplit(".", 1)[0] + ".api"
+    assert api not in GRAPH[name], (
+        f"{name} imports {api}: a backend is run by the op (its `run`), and"
+        " composes other runners directly, never the public entry point.")
 
 
 def test_no_import_cycles():
@@ -321,3 +361,45 @@ def test_planted_impurities_are_caught():
           "4: os.environ", "5: print", "6: setattr"]
   assert _impurities("from absl import logging\nimport os\n"
                      "logging.info(os.path.join('a', 'b'))\n") == []
+
+
+# Code above the mixers asks a mixer's capabilities, never which one it is:
+# no config section read by name, no comparison with a mixer's name.
+MIXER_SECTIONS = ("kda", "attention")
+MIXER_NAMES = ("kda", "kda_zeroed", "gdn", "attention")
+
+
+def _mixer_questions(source: str) -> list[int]:
+  """Lines that read a mixer's config section by name (`model.kda`) or
+  compare a value with a mixer's name (`mixer == "kda"`)."""
+  lines = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Attribute) and node.attr in MIXER_SECTIONS:
+      lines.append(node.lineno)
+    elif isinstance(node, ast.Compare):
+      sides = [node.left, *node.comparators]
+      consts = [c for side in sides for c in (
+          side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set))
+          else [side]) if isinstance(c, ast.Constant)]
+      if any(c.value in MIXER_NAMES for c in consts):
+        lines.append(node.lineno)
+  return sorted(set(lines))
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n in MODULES if _layer(n) in ("experiments", "cli")))
+def test_code_above_the_mixers_asks_capabilities(name):
+  with open(MODULES[name]) as f:
+    lines = _mixer_questions(f.read())
+  assert not lines, (
+      f"{name} asks which mixer a layer is at lines {lines}; ask its"
+      " capabilities (`experiments.model.sections_with`, ...).")
+
+
+def test_a_planted_mixer_question_is_caught():
+  assert _mixer_questions(
+      "if config.model.kda.backend:\n  pass\n"
+      "ok = mixer in ('kda', 'gdn')\n"
+      "same = 'attention' == name\n"
+      "fine = model[section].backend\n") == [1, 3, 4]
+

@@ -50,6 +50,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from linear_attention.modules import mixer
 from linear_attention.modules import norms
 from linear_attention.modules import short_conv
 from linear_attention.ops import checks
@@ -171,8 +172,11 @@ def _tails_at_boundaries(projected, segment_ids, every, conv_size):
 class KimiDeltaAttention(hk.Module):
   """Kimi Delta Attention layer: [B, T, D] -> [B, T, D] (see module docstring).
 
-  Call as `layer(x, segment_ids=None)` -> y, or `layer(x, cache=cache)` ->
-  (y, new_cache) to continue a sequence (prefill, then decode steps).
+  Call as `layer(x, segment_ids=ids)` -> (y, None), or `layer(x,
+  cache=cache)` -> (y, new_cache) to continue a sequence (prefill, then
+  decode steps): the mixer contract (`modules/mixer.py`);
+  `layer.chunk_caches(x, every=C)` also gives the caches at every C-th
+  token.
   """
 
   num_heads: int  # H, the number of heads.
@@ -218,8 +222,11 @@ class KimiDeltaAttention(hk.Module):
     """HV = num_v_heads, or num_heads when unset."""
     return self.num_v_heads or self.num_heads
 
-  def init_cache(self, batch_size: int, dtype=jnp.float32) -> KDACache:
-    """Zeros: the cache before the first token; dtype of the conv tails."""
+  def init_cache(self, batch_size: int, max_len: int | None = None,
+                 dtype=jnp.float32) -> KDACache:
+    """Zeros: the cache before the first token; dtype of the conv tails.
+    `max_len` is not needed: the state has one size at any length."""
+    del max_len
     return init_kda_cache(
         batch_size, num_heads=self.num_heads, head_dim=self.head_dim,
         expand_v=self.expand_v, conv_size=self.conv_size,
@@ -253,11 +260,10 @@ class KimiDeltaAttention(hk.Module):
             f" and batch {batch}; got {tuple(have.shape)}.")
 
   def __call__(
-      self, x: jax.Array, segment_ids: jax.Array | None = None, *,
-      max_num_segments: int | None = None, cache: KDACache | None = None,
-      chunk_states_every: int | None = None,
-  ) -> jax.Array | tuple[jax.Array, KDACache]:
-    """Applies the layer.
+      self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+      cache: KDACache | None = None, max_num_segments: int | None = None,
+  ) -> tuple[jax.Array, KDACache | None]:
+    """Applies the layer (the mixer contract, `modules/mixer.py`).
 
     Args:
       x: [B, T, D] inputs.
@@ -265,28 +271,46 @@ class KimiDeltaAttention(hk.Module):
         information crosses a document boundary (conv and core). With a
         `cache`, every non-zero id is the row's one document continuing the
         cache (use 0 for padding). Padding outputs zero.
+      cache: a `KDACache` to continue from (`init_cache` for a new sequence).
       max_num_segments: static bound on the documents per row, passed to the
         op (which needs it only with states).
-      cache: a `KDACache` to continue from (`init_cache` for a new sequence).
-      chunk_states_every: C, or None. With C (and no `cache`), also returns
-        the decode caches at every C-th token (prefix caching): a `KDACache`
-        whose fields have a boundary axis after B (q_conv [B, T // C, W - 1,
-        H*K], ..., state [B, T // C, HV, K, V]); entry j continues the
-        sequence after token (j + 1) C - 1 exactly like the cache a prefill
-        of those tokens returns (its document only; zeros where that token
-        is padding). The recurrent states come from the op's
-        `output_chunk_states`; "reference" and "chunked" backends. Under
-        `context_axis`, C must be >= W - 1 and divide each rank's T.
 
     Returns:
-      y [B, T, D] in x.dtype; with `cache`, (y, new_cache); with
-      `chunk_states_every`, (y, chunk_caches).
+      (y [B, T, D] in x.dtype, the new cache; None without `cache`).
     """
+    return self._apply(x, segment_ids, cache, max_num_segments, None)
+
+  @hk.name_like("__call__")  # the same parameters as a call
+  def chunk_caches(
+      self, x: jax.Array, *, every: int, segment_ids: jax.Array | None = None,
+      max_num_segments: int | None = None,
+  ) -> tuple[jax.Array, KDACache]:
+    """The layer on a prefill from the start, and its decode caches at every
+    `every`-th token (prefix caching).
+
+    Args:
+      x, segment_ids, max_num_segments: as `__call__` (no cache).
+      every: C >= 1. Under `context_axis`, C must be >= W - 1 and divide
+        each rank's T.
+
+    Returns:
+      (y [B, T, D], a `KDACache` whose fields have a boundary axis after B:
+      q_conv [B, T // C, W - 1, H*K], ..., state [B, T // C, HV, K, V]);
+      entry j continues the sequence after token (j + 1) C - 1 exactly like
+      the cache a prefill of those tokens returns (its document only; zeros
+      where that token is padding). The recurrent states come from the op's
+      `output_chunk_states` ("reference" and "chunked" backends).
+    """
+    checks.int_at_least("every", every, 1)
+    return self._apply(x, segment_ids, None, max_num_segments, every)
+
+  @hk.transparent
+  def _apply(self, x, segment_ids, cache, max_num_segments, every):
+    """(y, new cache | chunk caches | None); see the two public methods."""
     checks.rank("x", x, 3, "[B, T, D]")
     b, t, d = x.shape
     cached = cache is not None
-    every = chunk_states_every
-    self._check_call(every, cached)
+    self._check_call(every)
     if cached:
       self._check_cache(cache, b)
       if segment_ids is not None:  # one document per row, 0 = padding
@@ -317,7 +341,7 @@ class KimiDeltaAttention(hk.Module):
                for p in projected]
       return y, KDACache(*tails, state=outs[2].astype(jnp.float32))
     if not cached:
-      return y
+      return y, None
     if segment_ids is not None:
       state = state[:, 0]
     new_tails = [n.astype(c.dtype) for n, c in zip(new_tails, cache)]
@@ -325,18 +349,13 @@ class KimiDeltaAttention(hk.Module):
     chex.assert_trees_all_equal_shapes(new_cache, cache)
     return y, new_cache
 
-  def _check_call(self, every, cached):
-    """ValueError for a `chunk_states_every` this call cannot honour."""
+  def _check_call(self, every):
+    """ValueError for an `every` this call cannot honour."""
     if every is None:
       return
-    checks.int_at_least("chunk_states_every", every, 1, optional=True)
-    if cached:
-      raise ValueError(
-          "chunk_states_every is for a prefill from the start (cache=None);"
-          " got a cache.")
     if self.context_axis is not None and every < self.conv_size - 1:
       raise ValueError(
-          f"chunk_states_every ({every}) must be >= conv_size - 1"
+          f"every ({every}) must be >= conv_size - 1"
           f" ({self.conv_size - 1}) under context_axis.")
 
   @hk.transparent
@@ -395,3 +414,25 @@ class KimiDeltaAttention(hk.Module):
     y = self._linear(d, "o_proj")(o).astype(x.dtype)
     chex.assert_shape(y, (b, t, d))
     return y
+
+
+def _cache(batch_size, max_len, keywords) -> KDACache:
+  """`init_kda_cache` from the layer's keyword arguments."""
+  del max_len  # one size at any length
+  return init_kda_cache(batch_size, **{
+      name: keywords[name] for name in ("num_heads", "head_dim", "expand_v",
+                                        "conv_size", "num_v_heads")
+      if name in keywords})
+
+
+_KDA_CAPABILITIES = mixer.Capabilities(
+    recurrent_state=True, op_backend=True, context_parallel=True)
+# Kimi Delta Attention (config name "kda"), and Gated DeltaNet ("gdn"): the
+# same layer with one decay per head (decay="head"), from the same section.
+MIXER = mixer.Mixer(
+    name="kda", section="kda",
+    build=lambda keywords, name: KimiDeltaAttention(**keywords, name=name),
+    init_cache=_cache,
+    validate=lambda keywords: validate_kda_layer_args(**keywords),
+    capabilities=_KDA_CAPABILITIES)
+GDN_MIXER = dataclasses.replace(MIXER, name="gdn", fixed={"decay": "head"})

@@ -24,6 +24,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from configs import common as config_lib
@@ -211,9 +212,9 @@ def test_context_parallel_mosaic_step_exports():
   assert report.count(export_tpu.FORWARD) >= 2
 
 
-def _main(capsys, *args):
+def _main(capsys, *args, config="mqar.py:smoke"):
   status = export_tpu.main(
-      ["export_tpu", f"--config={REPO}/configs/mqar.py:smoke", *args])
+      ["export_tpu", f"--config={REPO}/configs/{config}", *args])
   out, err = capsys.readouterr()
   return status, out, err
 
@@ -228,6 +229,30 @@ def test_cli_tokamax_smoke_exits_0_and_prints_the_kernels(capsys):
   assert "_kernel (forward)" in out and "_kernel (backward)" in out
   assert re.search(r"serialized module: \d+ bytes", out)
   assert out.rstrip().splitlines()[-1].startswith("OK:")
+
+
+def test_cli_hybrid_counts_only_the_layers_that_run_the_kda_op(
+    capsys, tmp_path):
+  # configs/text.py:smoke is the hybrid "kda,attention": one of its two
+  # layers runs the KDA op. One layer's kernels are measured on a one-layer
+  # "kda" model (not on the config with num_layers=1, which the pattern of
+  # two does not divide), and the step holds them once.
+  corpus = tmp_path / "corpus"
+  rng = np.random.default_rng(0)
+  for i in range(300):  # a small stand-in for the standard library
+    (corpus / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
+    (corpus / f"pkg{i % 4}" / f"m{i}.py").write_bytes(
+        bytes(rng.integers(32, 127, 200).astype(np.uint8)))
+  status, out, err = _main(
+      capsys, "--config.model.kda.backend=mosaic", "--chip=v6e",
+      f"--config.task.source_dir={corpus}",
+      f"--config.task.cache_dir={tmp_path / 'cache'}",
+      config="text.py:smoke")
+  assert status == 0, err
+  assert "KDA layers: 1, backend 'mosaic' -> 'tokamax'" in out
+  total = int(re.search(r"call sites\): (\d+)", out).group(1))
+  per_layer = int(re.search(r"per KDA layer: (\d+)", out).group(1))
+  assert total == per_layer >= 2
 
 
 def test_cli_chunked_exits_nonzero_naming_the_backend(capsys):
