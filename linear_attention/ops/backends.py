@@ -145,6 +145,12 @@ def chunk_size(platform: str | None = None) -> int:
   return CPU_CHUNK if platform == "cpu" else ACCELERATOR_CHUNK
 
 
+def no_limit(_) -> None:
+  """`supports_target` and `supports` of a backend that takes every call
+  the op accepts, on every device (plain XLA)."""
+  return None
+
+
 class Registry:
   """An op's backends by name, their aliases and the preference for "auto".
 
