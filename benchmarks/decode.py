@@ -6,8 +6,8 @@ r"""Decoding one token after a context of L tokens: KDA's state against a KV cac
 For each context length L it times one jitted decode step (one token, batch
 1) of a KDA layer (`KimiDeltaAttention` with its `KDACache`: the recurrent
 state and conv tails, the same size at every L) and of the attention layer
-with its KV cache holding L positions (`experiments.attention`), and
-measures each cache's bytes. Both layers have the text model's width and
+(`linear_attention.modules.attention`) with its KV cache holding L
+positions, and measures each cache's bytes. Both layers have the text model's width and
 heads (D 128, 2 heads of 64). Within a round the two are timed back to back
 and the ratio is taken per round (paired), so the machine's slow spells hit
 both alike; the table reports medians. Report the machine (its 2048^3 f32
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kda_speed
-from experiments import attention as attention_lib
+from linear_attention.modules import attention as attention_lib
 from linear_attention.modules import kda as kda_module
 
 D, HEADS, HEAD_DIM, CONV = 128, 2, 64, 4

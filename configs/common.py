@@ -7,16 +7,18 @@ Every experiment config has the same sections:
 
 * `seed`: parameters from `jax.random.key(seed)`; data from (seed, step);
 * `task`: `name` plus the task's fields (see `experiments.tasks`);
-* `model`: `mixer`, `num_layers`, `d_model`, `mlp_hidden`, `kda` (the
-  `KimiDeltaAttention` keywords, `configs.layers.kda_config()`) and
-  `attention` (the softmax baseline's keywords);
+* `model`: `mixer`, `num_layers`, `d_model`, `mlp_hidden`, and one section
+  of keywords per mixer family: `kda` (the `KimiDeltaAttention` keywords,
+  `configs.layers.kda_config()`; read by the mixers "kda", "gdn",
+  "kda_zeroed") and `attention` (the softmax baseline's keywords);
 * `train`: optimiser, schedule, batch, logging, evaluation, checkpoints;
 * `mesh`: `data` x `context` devices; the batch is split over `data` and the
   sequence over `context` (KDA's exact state passing); 1 x 1 is one device.
 
 An ablation is a one-line diff applied to a config with `apply_diff`
 (alphafold's CONFIG_DIFFS pattern): `{"model.mixer": "kda_zeroed"}`, with
-the mixer names of `experiments.model.MIXERS`.
+the mixer names of `linear_attention.modules.registry`. The fields are
+checked by `configs.validation`.
 """
 
 import copy
@@ -41,7 +43,7 @@ def model_config(*, mixer="kda", num_layers=2, d_model=128, mlp_hidden=256,
   kda.head_dim = head_dim
   kda.conv_size = conv_size
   return ml_collections.ConfigDict(dict(
-      mixer=mixer,  # one of experiments.model.MIXERS
+      mixer=mixer,  # a name of linear_attention.modules.registry, or a pattern
       num_layers=num_layers,
       d_model=d_model,
       mlp_hidden=mlp_hidden,

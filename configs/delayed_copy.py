@@ -17,8 +17,8 @@ Variants: `configs/delayed_copy.py:long` (delay 256, T=276, safe gate's
 bound -1 instead of -5; reported whatever it reaches),
 `configs/delayed_copy.py:smoke` (tiny, seconds),
 `configs/delayed_copy.py:tpu` (a TPU v6e-8 slice, 8 devices: backend
-"mosaic", whose kernel needs T to be a multiple of 64, so delay 108 and
-T = 2 * 10 + 108 = 128, with the safe gate's bound at -1 as for `long`;
+"tokamax", tokamax's Pallas kernel, which needs T to be a multiple of 64,
+so delay 108 and T = 2 * 10 + 108 = 128, with the safe gate's bound at -1 as for `long`;
 global batch 512 over a data axis of 8, 64 sequences per chip; held-out
 batches of 256), bfloat16 compute (`model.compute_dtype`; parameters,
 optimizer state, the KDA state and the loss stay float32). Its learning rate and step budget are the default's, not
@@ -78,7 +78,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == "tpu":
     config.task.delay = 108  # T = 2 * num_symbols + delay = 128
     config.model.kda.lower_bound = -1.0  # hold symbols over 108+ tokens
-    config.model.kda.backend = "mosaic"
+    config.model.kda.backend = "tokamax"
     config.model.compute_dtype = "bfloat16"
     config.train.batch_size = 512
     config.train.eval_batch_size = 256

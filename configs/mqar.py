@@ -20,7 +20,7 @@ one line each below; the probes behind them are in docs/experiments.md
 
 Variants: `configs/mqar.py:smoke` (T=64, 4 pairs, tiny model, a few steps:
 runs in seconds, for tests); `configs/mqar.py:tpu`, the same task and model
-for a TPU v6e-8 slice (8 devices): backend "mosaic" (tokamax's Pallas kernel,
+for a TPU v6e-8 slice (8 devices): backend "tokamax" (tokamax's Pallas kernel,
 TPU v6+; T=256 is a multiple of its 64-token chunk), global batch 256 split
 over a data axis of 8 (32 sequences per chip), held-out batches of 256,
 bfloat16 compute (`model.compute_dtype`: parameters, optimizer state, the
@@ -84,7 +84,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         eval_batches=1, eval_batch_size=4, checkpoint_every=2)
   config.mesh = config_lib.mesh_config()
   if arg == "tpu":
-    config.model.kda.backend = "mosaic"
+    config.model.kda.backend = "tokamax"
     config.model.compute_dtype = "bfloat16"
     config.train.batch_size = 256
     config.train.eval_batch_size = 256

@@ -2,7 +2,7 @@ r"""Exports an experiment's training step for a TPU from any host: a dry run.
 
   python -m experiments.export_tpu --config=configs/mqar.py:tpu --chip=v6e
   python -m experiments.export_tpu --config=configs/mqar.py:smoke \
-      --config.model.kda.backend=mosaic --chip=v6e
+      --config.model.kda.backend=tokamax --chip=v6e
 
 Builds the config's program (`experiments.program.build_program`: model,
 loss, AdamW, the jitted train step) and, inside
@@ -15,20 +15,20 @@ their names, the number per KDA layer and the serialized size, and exits
 non-zero (1; 2 for a bad flag) naming the problem when:
 
 * the lowering fails (the exception, with a hint for the known causes);
-* the model uses KDA but its backend does not resolve to "mosaic" on `chip`
-  (`--config.model.kda.backend=chunked`, or "auto" on a TPU before v6): a
-  non-Mosaic path was traced;
+* the model uses KDA but its backend does not resolve to "tokamax"
+  (tokamax's Mosaic kernel) on `chip` (`--config.model.kda.backend=chunked`,
+  or "auto" on a TPU before v6): a non-Mosaic path was traced;
 * fewer Mosaic kernels than the KDA layers need were traced (a layer ran
   another backend: a "chunked fallback"), or no forward or no backward
   kernel;
-* `chip` is older than TPU v6: the module lowers (the mode skips tokamax's
-  device check), but on that TPU tokamax raises NotImplementedError.
+* the backend cannot run on `chip` (its `supports_target`: tokamax's
+  kernel needs TPU v6+), so the op refuses to trace it there.
 
 How the checks are made, and why:
 
 * Backend resolution. The report's backend is the op's answer for the kind
   JAX reports for that chip (`kda_api.resolved_backend(..., device_kind=)`,
-  i.e. `backends.resolve`), the same decision the
+  the op's registry), the same decision the
   layers make while traced inside `lowering_mode` (which names the chip as
   the target device). The
   train step has no decode pieces (no cache), so the other fallback of
@@ -43,9 +43,12 @@ How the checks are made, and why:
   `main`. Each kernel is classed forward or backward from the tokamax op
   recorded in its metadata (`PallasMosaicTpuKimiDeltaAttention` /
   `...Vjp`). The kernels of one layer are measured by exporting the same
-  config with `model.num_layers=1` (skipped when it already has one layer);
-  the full step must hold `num_layers` times that multiset. This does not
-  depend on how many kernels tokamax's version splits the op into.
+  config with one layer of its first mixer that runs the KDA op
+  (`model.num_layers=1`, `model.mixer` that name; skipped when the config
+  has one layer);
+  the full step must hold one multiset per layer that runs the KDA op (a
+  hybrid's attention layers run none). This does not depend on how many
+  kernels tokamax's version splits the op into.
 * Serialization: optax's state types are not registered for
   `Exported.serialize`, so the step is exported over its flattened leaves
   (the same computation; `in_tree` is then a flat tuple). Serializing needs
@@ -66,7 +69,7 @@ model (`jax.eval_shape` runs outside the mode, where nothing may execute).
 
 Known limits (the tool reports them; fixes belong in `linear_attention/`):
 
-* mosaic with mesh.context > 1 needs K, V multiples of 128 (tokamax's
+* tokamax with mesh.context > 1 needs K, V multiples of 128 (tokamax's
   context-parallel kernel).
 * The tool is a check of the Mosaic path; it fails on the others (a
   `chunked` step lowers too, with the TPU's 64-token chunk).
@@ -92,9 +95,11 @@ from configs import common as config_lib
 from experiments import model as model_lib
 from experiments import program as program_lib
 from experiments import tasks as tasks_lib
-from linear_attention.ops import backends
 from linear_attention.ops.kda import api as kda_api
 from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import tokamax_kernel
+
+TOKAMAX = tokamax_kernel.NAME  # the backend whose kernels this tool counts
 
 FORWARD, BACKWARD, OTHER = "forward", "backward", "other"
 
@@ -103,8 +108,8 @@ _HINTS = (
     ("manual_axis_type",
      "tokamax's Pallas kernels do not trace inside jax.shard_map with"
      " check_vma=True; the program passes check_vma=False to"
-     " linear_attention.parallel.train.shard_loss_fn for mosaic, and a"
-     " shard_map of your own around a mosaic call must too (a tracing"
+     " linear_attention.parallel.train.shard_loss_fn for tokamax, and a"
+     " shard_map of your own around a tokamax call must too (a tracing"
      " error: a TPU fails the same way)."),
     ("Unsupported TPU device kind",
      "Pallas' Mosaic lowering read the TPU info of the host device: a"
@@ -124,9 +129,10 @@ class Report:
 
   chip: str  # pltpu.ChipVersion name, e.g. "TPU_V6E"
   generation: int  # TPU generation of `chip`
-  requested_backend: str | None  # config.model.kda.backend (None: no KDA)
+  # The KDA op backend the layers ask for (None: no layer runs the op).
+  requested_backend: str | None
   backend: str | None  # what it resolves to on `chip` (what was traced)
-  num_kda_layers: int
+  num_kda_layers: int  # layers that run the KDA op (capability op_backend)
   num_devices: int  # devices the exported module runs on
   kernels: collections.Counter  # (direction, kernel name) -> call sites
   per_layer: collections.Counter | None  # the same for one KDA layer
@@ -151,10 +157,27 @@ def chip_generation(chip) -> int:
 
 def target_backend(config, chip) -> str | None:
   """The KDA backend a run of `config` uses on `chip`, or None (no KDA)."""
-  if not model_lib.uses_kda(config.model):
+  requested = _requested_backend(config)
+  if requested is None:
     return None
-  return kda_api.resolved_backend(config.model.kda.backend,
-                                  device_kind=device_kind(chip))
+  return kda_api.resolved_backend(requested, device_kind=device_kind(chip))
+
+
+def _requested_backend(config) -> str | None:
+  """The KDA backend the model's layers ask for; None if none takes one."""
+  backends = set(model_lib.op_backends(config.model))
+  if len(backends) > 1:
+    raise ExportError(f"the layers ask for several KDA backends"
+                      f" {sorted(backends)}; the tool checks one.")
+  return backends.pop() if backends else None
+
+
+def _one_layer(config):
+  """`config` with one layer, of its first mixer that runs the KDA op: the
+  model whose kernels make up one layer's share of the train step."""
+  (entry, *_) = model_lib.mixers_with(config.model, "op_backend")
+  return config_lib.apply_diff(
+      config, {"model.num_layers": 1, "model.mixer": entry.name})
 
 
 _FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([^\s(]+)\(",
@@ -222,11 +245,11 @@ def _abstract_inputs(config, prog, mesh):
   """ShapeDtypeStructs of (params, opt_state, batch), sharded on `mesh`."""
   t = prog.task.seq_len
   # The parameters' shapes do not depend on the KDA backend: take them from a
-  # `reference` build, which traces on any host (the mosaic kernel traces
+  # `reference` build, which traces on any host (the tokamax kernel traces
   # only inside `lowering_mode`, which allows nothing but lowering).
   shapes = config.copy_and_resolve_references()
-  if model_lib.uses_kda(config.model):
-    shapes.model.kda.backend = "reference"
+  for section in model_lib.sections_with(config.model, "op_backend"):
+    shapes.model[section].backend = "reference"
   shape_prog = program_lib.build_program(shapes)
   params = jax.eval_shape(shape_prog.init, jax.random.key(config.seed),
                           jax.ShapeDtypeStruct((1, t), jnp.int32))
@@ -297,19 +320,15 @@ def export_train_step(config, chip) -> Report:
     ExportError: the config is invalid or the lowering failed.
   """
   chip_name = mosaic.chip_version(chip).name
-  requested = target = None
-  num_kda_layers = 0
-  if model_lib.uses_kda(config.model):
-    requested = str(config.model.kda.backend)
-    target = target_backend(config, chip)
-    num_kda_layers = config.model.num_layers
+  requested = _requested_backend(config)
+  target = target_backend(config, chip)
+  num_kda_layers = model_lib.count_layers_with(config.model, "op_backend")
   exported, kernels = _lower(config, chip)
   per_layer = None
-  if num_kda_layers == 1 and target == backends.Backend.MOSAIC.value:
+  if target == TOKAMAX and config.model.num_layers == 1:
     per_layer = kernels
-  elif num_kda_layers > 1 and target == backends.Backend.MOSAIC.value:
-    _, per_layer = _lower(
-        config_lib.apply_diff(config, {"model.num_layers": 1}), chip)
+  elif target == TOKAMAX:
+    _, per_layer = _lower(_one_layer(config), chip)
   size, how = _serialized_size(exported)
   return Report(chip=chip_name, generation=chip_generation(chip),
                 requested_backend=requested, backend=target,
@@ -323,31 +342,23 @@ def problems(report: Report) -> list[str]:
   """What stops `report`'s config from running the Mosaic kernel; [] if OK."""
   if not report.num_kda_layers:
     return []
-  mosaic_name = backends.Backend.MOSAIC.value
   chip = report.chip.removeprefix("TPU_").lower()
-  if report.backend != mosaic_name:
+  if report.backend != TOKAMAX:
     why = ""
-    if report.requested_backend == backends.Backend.AUTO.value:
-      kind = device_kind(report.chip)
-      if (report.generation >= backends.MOSAIC_MIN_TPU_GENERATION
-          and backends.tpu_generation(kind) is None):
-        why = (f" (backends.tpu_generation does not read {kind!r}, the device"
-               " kind JAX reports on this chip, as a TPU generation, so"
-               " 'auto' takes the non-TPU branch)")
-      else:
-        why = (f" ('auto' picks mosaic on TPU v"
-               f"{backends.MOSAIC_MIN_TPU_GENERATION}+ only)")
+    if report.requested_backend == "auto":
+      reason = kda_api.supports_target(TOKAMAX, device_kind(report.chip))
+      why = f" ('auto' passes over {TOKAMAX!r} there: {reason})"
     return [
         f"the config's KDA backend {report.requested_backend!r} resolves to"
-        f" {report.backend!r} on {chip}{why}, not 'mosaic': a non-Mosaic"
+        f" {report.backend!r} on {chip}{why}, not {TOKAMAX!r}: a non-Mosaic"
         f" path was traced ({report.num_kernels} tpu_custom_call,"
         f" {report.num_kda_layers} KDA layers). Pass"
-        " --config.model.kda.backend=mosaic to check the Mosaic path."]
+        f" --config.model.kda.backend={TOKAMAX} to check the Mosaic path."]
   found = []
   if report.num_kernels == 0:
     found.append(
         f"no Mosaic kernel (tpu_custom_call) in the module although"
-        f" {report.num_kda_layers} KDA layers run backend 'mosaic': they ran"
+        f" {report.num_kda_layers} KDA layers run backend {TOKAMAX!r}: they ran"
         " another path (a chunked fallback).")
   else:
     for direction in (FORWARD, BACKWARD):
@@ -372,18 +383,13 @@ def problems(report: Report) -> list[str]:
 
 
 def _old_chip_problem(chip) -> str | None:
-  """Why backend "mosaic" cannot run on `chip`, or None if it can."""
-  generation = chip_generation(chip)
-  if generation >= backends.MOSAIC_MIN_TPU_GENERATION:
+  """Why backend "tokamax" cannot run on `chip` (the backend's own answer,
+  `supports_target`), or None if it can."""
+  reason = kda_api.supports_target(TOKAMAX, device_kind(chip))
+  if reason is None:
     return None
-  name = mosaic.chip_version(chip).name.removeprefix("TPU_").lower()
-  return (
-      f"tokamax's Mosaic KDA kernel supports TPU"
-      f" v{backends.MOSAIC_MIN_TPU_GENERATION}+ only"
-      " (PallasMosaicTpuKimiDeltaAttention.supported_on); on"
-      f" {name} (generation {generation}) the op raises NotImplementedError"
-      " at run time even where the module lowers (lowering_mode skips that"
-      " device check). Use --config.model.kda.backend=chunked on this TPU.")
+  return (f"backend {TOKAMAX!r} cannot run on {device_kind(chip)}: {reason}"
+          " Use --config.model.kda.backend=chunked on this TPU.")
 
 
 def format_report(report: Report) -> str:
@@ -453,10 +459,10 @@ def main(argv: list[str]) -> int:
   except (ExportError, ValueError) as e:  # ValueError: a bad backend name
     err(e)
     try:
-      wants_mosaic = target_backend(config, chip) == "mosaic"
+      wants_tokamax = target_backend(config, chip) == TOKAMAX
     except ValueError:
-      wants_mosaic = False
-    old_chip = _old_chip_problem(chip) if wants_mosaic else None
+      wants_tokamax = False
+    old_chip = _old_chip_problem(chip) if wants_tokamax else None
     if old_chip:
       err(old_chip)
     return 1

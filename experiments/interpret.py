@@ -1,4 +1,4 @@
-"""Pallas interpret mode for KDA's `mosaic` backend off TPU.
+"""Pallas interpret mode for KDA's `tokamax` backend off TPU.
 
 Runs tokamax's Mosaic KDA kernel on any device (tests on CPU; checking a
 config's numbers before paying for a TPU). The kernel code is the one a TPU
@@ -6,7 +6,7 @@ runs; only the lowering differs. Seconds per call: keep shapes small.
 
     from experiments import interpret
     with interpret.interpret_mode():          # TPU v6e limits
-      o, _ = ops.kimi_delta_attention(..., backend="mosaic")
+      o, _ = ops.kimi_delta_attention(..., backend="tokamax")
 
 It lives here, with the programs, because it flips two process-wide switches
 that the library never touches (docs/design.md, "Known compromise"):
@@ -36,7 +36,7 @@ ENV = "PALLAS_INTERPRET"
 
 @contextlib.contextmanager
 def interpret_mode(chip="v6e"):
-  """Pallas interpret mode, with `chip`'s limits, for `backend="mosaic"`.
+  """Pallas interpret mode, with `chip`'s limits, for `backend="tokamax"`.
 
   Args:
     chip: the TPU whose limits (VMEM, lanes, sublanes) the kernel's sizing
@@ -44,7 +44,7 @@ def interpret_mode(chip="v6e"):
       default TPU v6e, the first generation tokamax supports.
 
   Yields:
-    None. Calls made inside may use `backend="mosaic"` on any device.
+    None. Calls made inside may use `backend="tokamax"` on any device.
   """
   info = pltpu.get_tpu_info_for_chip(mosaic.chip_version(chip), 1)
   old_env = os.environ.get(ENV)

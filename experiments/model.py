@@ -14,7 +14,11 @@ with `model.attention.rope=False` is Kimi Linear's hybrid (arXiv 2510.26692,
 encoding). Packed documents (`segment_ids`) and decoding with a cache
 (`init_cache`) work for every mixer and pattern.
 
-Mixers (`MIXERS`):
+Mixers: the names of `linear_attention.modules.registry` (the built-in
+ones in `MIXERS`); each layer's mixer is built from its config section
+(`config.model.kda`, `config.model.attention`, ...) by its registry entry,
+and called through the one mixer contract (`linear_attention.modules.
+mixer`). Code here asks a mixer's capabilities, never which mixer it is.
 
 * `kda`: `linear_attention.modules.KimiDeltaAttention` (Kimi Linear,
   arXiv 2510.26692), configured by `config.model.kda`;
@@ -25,7 +29,7 @@ Mixers (`MIXERS`):
   channels (decay="head"), i.e. Gated DeltaNet;
 * `attention`: causal softmax attention with RoPE (or none) and the same
   causal depthwise short convolution (+ SiLU) on q, k and v as KDA
-  (`experiments.attention`), the fair baseline;
+  (`linear_attention.modules.attention`), the fair baseline;
 * `none`: no mixer, the MLP blocks only.
 
 Modules take plain arguments; `make_model` spreads the config once, inside
@@ -34,7 +38,7 @@ the function given to `hk.transform`.
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Mapping
 
 from absl import logging
 import haiku as hk
@@ -42,15 +46,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import attention as attention_lib
+from configs import validation as config_checks
 from experiments import interpret
-from linear_attention.modules import kda as kda_module
+from linear_attention.modules import registry
 from linear_attention.ops.kda import api as kda_api
 
-# The mixers built on the KDA layer, and every mixer: the one list of names.
-KDA_MIXERS = ("kda", "kda_zeroed", "gdn")
-MIXERS = KDA_MIXERS + ("attention", "none")
-COMPUTE_DTYPES = ("float32", "bfloat16")  # config.model.compute_dtype
+# The built-in mixer names (`registry.names()` also lists registered ones).
+MIXERS = registry.names()
 
 
 @dataclasses.dataclass
@@ -72,9 +74,10 @@ class LanguageModel(hk.Module):
 
   vocab_size: int  # V
   d_model: int  # D
-  mixers: tuple[str, ...]  # one name of `MIXERS` per layer
+  mixers: tuple[str, ...]  # one registry name per layer
   mlp_hidden: int  # MLP hidden width
-  make_mixer: Callable[[str, str], Any]  # (mixer, module name) -> layer
+  # {section: keyword arguments}: the config sections the mixers read.
+  sections: Mapping[str, Mapping[str, Any]]
   name: str | None = None
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
@@ -88,15 +91,14 @@ class LanguageModel(hk.Module):
                  w_init=hk.initializers.TruncatedNormal(0.02),
                  name="embed")(tokens)
     new_cache = []
-    for i, mixer in enumerate(self.mixers):
+    for i, name in enumerate(self.mixers):
+      entry = registry.get(name)
       layer_cache = None
-      if mixer != "none":
+      if entry is not None:
         y = hk.RMSNorm(-1, name=f"mixer_norm_{i}")(x)
-        layer = self.make_mixer(mixer, f"mixer_{i}")
-        if cache is None:
-          y = layer(y, segment_ids)
-        else:
-          y, layer_cache = layer(y, segment_ids, cache=cache[i])
+        layer = entry.build(entry.keywords(self.sections), f"mixer_{i}")
+        y, layer_cache = layer(y, segment_ids=segment_ids,
+                               cache=None if cache is None else cache[i])
         x = x + y
       new_cache.append(layer_cache)
       y = hk.RMSNorm(-1, name=f"mlp_norm_{i}")(x)
@@ -108,106 +110,83 @@ class LanguageModel(hk.Module):
     return logits if cache is None else (logits, tuple(new_cache))
 
 
-def mixer_factory(*, kda: dict[str, Any], attention: dict[str, Any]):
-  """make_mixer(mixer, name) for `LanguageModel`.
-
-  Args:
-    kda: keyword arguments of `KimiDeltaAttention` (config.model.kda).
-    attention: keyword arguments of `ShortConvSoftmaxAttention`.
-  """
-
-  def make_mixer(mixer: str, name: str):
-    match mixer:
-      case "kda":
-        return kda_module.KimiDeltaAttention(**kda, name=name)
-      case "kda_zeroed":
-        layer = kda_module.KimiDeltaAttention(**kda, name=name)
-
-        def zeroed(x, segment_ids=None, cache=None):
-          if cache is None:
-            return layer(x, segment_ids) * 0.0
-          y, cache = layer(x, segment_ids, cache=cache)
-          return y * 0.0, cache
-
-        return zeroed
-      case "gdn":
-        return kda_module.KimiDeltaAttention(**{**kda, "decay": "head"},
-                                             name=name)
-      case "attention":
-        return attention_lib.ShortConvSoftmaxAttention(**attention, name=name)
-    raise ValueError(f"model.mixer must name mixers of {list(MIXERS)}; got"
-                     f" {mixer!r}.")
-
-  return make_mixer
-
-
 def layer_mixers(model) -> tuple[str, ...]:
-  """The mixer of each layer: `model.mixer` is one name of `MIXERS`, or a
+  """The mixer of each layer: `model.mixer` is one registered name, or a
   comma-separated pattern of them repeated over `model.num_layers` (e.g.
   "kda,kda,kda,attention": Kimi Linear's 3:1 hybrid)."""
-  pattern = tuple(m.strip() for m in str(model.mixer).split(","))
-  bad = [m for m in pattern if m not in MIXERS]
-  if bad:
-    raise ValueError(f"model.mixer must be one of {list(MIXERS)} or a"
-                     f" comma-separated pattern of them; got"
-                     f" {model.mixer!r}.")
-  if model.num_layers % len(pattern):
-    raise ValueError(
-        f"model.num_layers ({model.num_layers}) must be a multiple of the"
-        f" length of the mixer pattern {model.mixer!r} ({len(pattern)}).")
-  return pattern * (model.num_layers // len(pattern))
+  return config_checks.mixer_pattern(model, registry.names())
+
+
+def layer_entries(model) -> tuple:
+  """The registry entry of each layer's mixer (None: no mixer)."""
+  return tuple(registry.get(m) for m in layer_mixers(model))
+
+
+def _sections(model) -> dict[str, dict[str, Any]]:
+  """{section: keyword arguments} of the sections the layers' mixers read."""
+  return {e.section: model[e.section].to_dict() for e in layer_entries(model)
+          if e is not None and e.section is not None}
+
+
+def mixers_with(model, capability: str) -> tuple:
+  """The distinct registry entries of the layers whose mixer has
+  `capability` (a field of `mixer.Capabilities`), in layer order."""
+  found = {}
+  for e in layer_entries(model):
+    if e is not None and getattr(e.capabilities, capability):
+      found.setdefault(e.name, e)
+  return tuple(found.values())
+
+
+def sections_with(model, capability: str) -> tuple[str, ...]:
+  """The config sections (`model.<section>`) read by mixers with
+  `capability`, e.g. "op_backend" -> ("kda",) for a KDA or GDN model."""
+  return tuple(dict.fromkeys(e.section for e in mixers_with(model, capability)
+                             if e.section is not None))
+
+
+def count_layers_with(model, capability: str) -> int:
+  """How many layers run a mixer with `capability`."""
+  return sum(1 for e in layer_entries(model)
+             if e is not None and getattr(e.capabilities, capability))
 
 
 def init_cache(model, batch_size: int, max_len: int) -> tuple:
-  """The all-zero decode cache of a model of `config.model`: per layer a
-  `KDACache` (KDA, GDN), an `AttentionCache` of `max_len` positions, or
-  None (no mixer). Usable outside `hk.transform`."""
-  kda = {k: model.kda[k] for k in ("num_heads", "head_dim", "expand_v",
-                                    "conv_size", "num_v_heads")}
-  att = model.attention
-  out = []
-  for mixer in layer_mixers(model):
-    if mixer in KDA_MIXERS:
-      out.append(kda_module.init_kda_cache(batch_size, **kda))
-    elif mixer == "attention":
-      out.append(attention_lib.init_attention_cache(
-          batch_size, num_heads=att.num_heads, head_dim=att.head_dim,
-          conv_size=att.conv_size, max_len=max_len))
-    else:
-      out.append(None)
-  return tuple(out)
+  """The all-zero decode cache of a model of `config.model`: per layer its
+  mixer's (`Mixer.init_cache`: a KDA state, attention's buffer of `max_len`
+  positions, ...), or None (no mixer). Usable outside `hk.transform`."""
+  sections = _sections(model)
+  return tuple(None if e is None else
+               e.init_cache(batch_size, max_len, e.keywords(sections))
+               for e in layer_entries(model))
 
 
 def cache_positions(cache) -> int | None:
-  """How many positions `cache` (`init_cache`'s) holds: its attention
-  layers' key/value buffer length, or None when no layer has a bound (KDA
-  and GDN keep a state of one size at any length)."""
-  lengths = [layer.k.shape[1] for layer in cache
-             if isinstance(layer, attention_lib.AttentionCache)]
+  """How many positions `cache` (`init_cache`'s) holds: the least of its
+  layers' `max_positions` (attention's key/value buffers), or None when no
+  layer has a bound (a recurrent state has one size at any length)."""
+  lengths = [layer.max_positions for layer in cache
+             if hasattr(layer, "max_positions")]
   return min(lengths) if lengths else None
 
 
 def validate_model_config(model, vocab_size: int) -> None:
-  """Raises ValueError naming the field for a bad `config.model`."""
-  for field in ("num_layers", "d_model", "mlp_hidden"):
-    value = model[field]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"model.{field} must be an int >= 1; got {value!r}.")
-  mixers = layer_mixers(model)
-  dtype = model.get("compute_dtype", "float32")
-  if dtype not in COMPUTE_DTYPES:
-    raise ValueError(f"model.compute_dtype must be one of {COMPUTE_DTYPES};"
-                     f" got {dtype!r}.")
-  att = model.attention
-  if att.head_dim % 2:
-    raise ValueError(f"model.attention.head_dim must be even (RoPE); got"
-                     f" {att.head_dim}.")
-  if not isinstance(att.get("rope", True), bool):
-    raise ValueError(f"model.attention.rope must be a bool; got"
-                     f" {att.rope!r}.")
-  if any(m in KDA_MIXERS for m in mixers):
-    kda_module.validate_kda_layer_args(**model.kda)
+  """Raises ValueError naming the field for a bad `config.model`: its
+  fields (`configs.validation`), then each layer's mixer's section."""
+  config_checks.validate_model(model, registry.names())
+  validate_mixer_sections(model)
   del vocab_size
+
+
+def validate_mixer_sections(model) -> None:
+  """Each layer's mixer checks its own keyword arguments (ValueError
+  "model.<section>: <the mixer's message>")."""
+  sections = _sections(model)
+  for entry in {e.name: e for e in layer_entries(model) if e}.values():
+    try:
+      entry.validate(entry.keywords(sections))
+    except (TypeError, ValueError) as e:  # TypeError: an unknown keyword
+      raise ValueError(f"model.{entry.section}: {e}") from None
 
 
 def make_model(model, vocab_size: int) -> hk.Transformed:
@@ -224,15 +203,12 @@ def make_model(model, vocab_size: int) -> hk.Transformed:
   """
   validate_model_config(model, vocab_size)
   compute_dtype = jnp.dtype(model.get("compute_dtype", "float32"))
-  kda = model.kda.to_dict()
-  attention = model.attention.to_dict()
   kwargs = dict(vocab_size=vocab_size, d_model=model.d_model,
-                mixers=layer_mixers(model), mlp_hidden=model.mlp_hidden)
+                mixers=layer_mixers(model), mlp_hidden=model.mlp_hidden,
+                sections=_sections(model))
 
   def forward(tokens, segment_ids=None, cache=None):
-    make_mixer = mixer_factory(kda=kda, attention=attention)
-    return LanguageModel(make_mixer=make_mixer, name="lm", **kwargs)(
-        tokens, segment_ids, cache)
+    return LanguageModel(name="lm", **kwargs)(tokens, segment_ids, cache)
 
   transformed = hk.without_apply_rng(hk.transform(forward))
   if compute_dtype == jnp.float32:
@@ -250,29 +226,38 @@ def make_model(model, vocab_size: int) -> hk.Transformed:
   return hk.Transformed(init=transformed.init, apply=apply)
 
 
-def uses_kda(model) -> bool:
-  """Whether a model of this config (`config.model`) has a KDA layer."""
-  return any(m in KDA_MIXERS for m in layer_mixers(model))
+def op_backends(model) -> tuple[str, ...]:
+  """The KDA op backends the model's layers ask for (`backend` of each
+  section read by a mixer with the "op_backend" capability); () if none."""
+  return tuple(model[s].backend for s in sections_with(model, "op_backend"))
 
 
 def kda_backend(model) -> str | None:
-  """The KDA backend the model runs, as the op resolves it; None if no KDA."""
-  return kda_api.resolved_backend(model.kda.backend) if uses_kda(model) else None
+  """The KDA backend the model runs, as the op resolves it (its canonical
+  name); None if no layer takes one."""
+  names = {kda_api.resolved_backend(b) for b in op_backends(model)}
+  return ",".join(sorted(names)) if names else None
+
+
+def traces_under_check_vma(model) -> bool:
+  """Whether every layer's op backend traces under shard_map's check_vma
+  (tokamax's Pallas kernels do not)."""
+  return all(kda_api.traces_under_check_vma(b) for b in op_backends(model))
 
 
 def host_context(model):
   """What running the model on this host needs, as a context manager.
 
   Pallas interpret mode (`experiments.interpret`: seconds per call, tiny
-  shapes only) when the op says its backend runs interpreted here (`mosaic`
-  off TPU); nothing otherwise.
+  shapes only) when the op says a layer's backend runs interpreted here
+  (`tokamax` off TPU); nothing otherwise.
   """
-  if not (uses_kda(model) and kda_api.runs_interpreted(model.kda.backend)):
+  if not any(kda_api.runs_interpreted(b) for b in op_backends(model)):
     return contextlib.nullcontext()
   logging.info(
-      "KDA backend is mosaic and the default device is %s, not a TPU:"
+      "KDA backend %s needs a TPU and the default device is %s:"
       " running inside experiments.interpret.interpret_mode() (Pallas"
-      " interpret mode, slow).", jax.default_backend())
+      " interpret mode, slow).", kda_backend(model), jax.default_backend())
   return interpret.interpret_mode()
 
 

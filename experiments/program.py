@@ -17,7 +17,6 @@ the processes up (`experiments.distributed`).
 import collections
 import copy
 import dataclasses
-import math
 from typing import Any
 
 import chex
@@ -27,137 +26,61 @@ import ml_collections
 import numpy as np
 import optax
 
+from configs import validation as config_checks
 from experiments import distributed
 from experiments import metrics as metrics_lib
 from experiments import model as model_lib
 from experiments import tasks as tasks_lib
+from linear_attention.modules import registry
 from linear_attention.ops.kda import api as kda_api
 from linear_attention.parallel import train as parallel_train
 
 
 
-def _check(name: str, ok: bool, want: str, value: Any) -> None:
-  if not ok:
-    raise ValueError(f"{name} must be {want}; got {value!r}.")
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad field of `config`."""
-  for section in ("task", "model", "train"):
-    _check(section, section in config, "a section of the config", None)
-  _check("seed", _is_int(config.seed) and config.seed >= 0, "an int >= 0",
-         config.seed)
-  tr = config.train
-  for field, low in (("num_steps", 1), ("batch_size", 1), ("log_every", 1),
-                     ("eval_every", 1), ("eval_batches", 1),
-                     ("eval_batch_size", 1), ("checkpoint_every", 1),
-                     ("warmup_steps", 0)):
-    _check(f"train.{field}", _is_int(tr[field]) and tr[field] >= low,
-           f"an int >= {low}", tr[field])
-  for field in ("learning_rate", "grad_clip"):
-    _check(f"train.{field}",
-           isinstance(tr[field], (int, float)) and tr[field] > 0
-           and math.isfinite(tr[field]), "a positive number", tr[field])
-  _check("train.weight_decay",
-         isinstance(tr.weight_decay, (int, float)) and tr.weight_decay >= 0,
-         "a number >= 0", tr.weight_decay)
-  _check("train.final_lr_fraction",
-         isinstance(tr.final_lr_fraction, (int, float))
-         and 0 <= tr.final_lr_fraction <= 1, "in [0, 1]", tr.final_lr_fraction)
-  schedule = tr.get("schedule", "cosine")
-  _check("train.schedule", schedule in SCHEDULES, f"one of {SCHEDULES}",
-         schedule)
-  if schedule == "wsd":
-    fraction = tr.decay_fraction
-    _check("train.decay_fraction", isinstance(fraction, (int, float))
-           and 0 < fraction <= 1, "in (0, 1]", fraction)
-    _check("train.decay_fraction", decay_start(tr) >= tr.warmup_steps,
-           f"small enough that the decay starts after train.warmup_steps"
-           f" ({tr.warmup_steps}) of train.num_steps ({tr.num_steps})",
-           fraction)
-  _check("train.stop_at_accuracy", tr.stop_at_accuracy is None or (
-      0 < tr.stop_at_accuracy <= 1), "None or in (0, 1]", tr.stop_at_accuracy)
-  _check("train.warmup_steps", tr.warmup_steps < tr.num_steps,
-         f"< train.num_steps ({tr.num_steps})", tr.warmup_steps)
-  lengths = tr.get("eval_lengths", ())
-  _check("train.eval_lengths",
-         isinstance(lengths, (tuple, list))
-         and all(_is_int(n) and n >= 1 for n in lengths),
-         "a tuple of ints >= 1", lengths)
-  _check("train.eval_lengths", not lengths or "seq_len" in config.task,
-         "empty for a task without a seq_len field", lengths)
-  rule = tr.get("status_rule", "accuracy")
-  _check("train.status_rule", rule in metrics_lib.STATUS_RULES,
-         f"one of {metrics_lib.STATUS_RULES}", rule)
-  _check_score_last(config)
-  _check("mesh", "mesh" in config, "a section of the config", None)
-  for field in ("data", "context"):
-    value = config.mesh[field]
-    _check(f"mesh.{field}", _is_int(value) and value >= 1, "an int >= 1",
-           value)
-  _check_curriculum(config)
-  for field in ("batch_size", "eval_batch_size"):
-    _check(f"train.{field}", tr[field] % config.mesh.data == 0,
-           f"a multiple of mesh.data ({config.mesh.data})", tr[field])
+  """Raises ValueError naming the first bad field of `config`.
+
+  The field checks (`configs.validation`), then what needs the code: each
+  layer's mixer checks its own section, and a context mesh needs mixers
+  that run with T split over it (NotImplementedError otherwise).
+  """
+  config_checks.validate_config(config, config_checks.Vocabulary(
+      mixers=registry.names(), status_rules=metrics_lib.STATUS_RULES,
+      stream_tasks=tuple(name for name, task in tasks_lib.TASKS.items()
+                         if callable(getattr(task, "cut", None)))))
+  model_lib.validate_mixer_sections(config.model)
   if config.mesh.context > 1:
-    if "attention" in model_lib.layer_mixers(config.model):
+    _check_context_parallel(config.model)
+
+
+def with_canonical_names(config: ml_collections.ConfigDict
+                         ) -> ml_collections.ConfigDict:
+  """`config` with every op backend under its canonical name (the alias
+  "mosaic" becomes "tokamax"; "auto" stays): what a run records."""
+  sections = model_lib.sections_with(config.model, "op_backend")
+  names = {s: kda_api.BACKENDS.parse(config.model[s].backend)
+           for s in sections}
+  if all(config.model[s].backend == n for s, n in names.items()):
+    return config
+  config = copy.deepcopy(config)  # keeps the lock
+  for section, name in names.items():
+    config.model[section].backend = name
+  return config
+
+
+def _check_context_parallel(model) -> None:
+  """Every layer's mixer runs with T split over the context axis, which the
+  mesh sets (NotImplementedError / ValueError)."""
+  for entry in model_lib.layer_entries(model):
+    if entry is not None and not entry.capabilities.context_parallel:
       raise NotImplementedError(
-          f"model.mixer={config.model.mixer!r} has an attention layer, which"
-          " has no context parallelism; use mesh.context=1 for it.")
-    if model_lib.uses_kda(config.model) and config.model.kda.context_axis is not None:
+          f"model.mixer={model.mixer!r} has a layer of mixer {entry.name!r},"
+          " which has no context parallelism; use mesh.context=1 for it.")
+  for section in model_lib.sections_with(model, "context_parallel"):
+    if model[section].context_axis is not None:
       raise ValueError(
-          "model.kda.context_axis must be None: mesh.context sets it; got"
-          f" {config.model.kda.context_axis!r}.")
-
-
-def _check_score_last(config) -> None:
-  """The checks of `train.eval_score_last` (see configs/common.py)."""
-  tr = config.train
-  score_last = tr.get("eval_score_last")
-  if score_last is None:
-    return
-  name = "train.eval_score_last"
-  task = tasks_lib.TASKS.get(config.task.get("name"))
-  _check(name, callable(getattr(task, "cut", None)), "None for a task whose"
-         " windows cannot be cut shorter (only a stream task such as text"
-         " has `cut`)", score_last)
-  shortest = min([config.task.seq_len, *tr.get("eval_lengths", ())])
-  _check(name, _is_int(score_last) and 1 <= score_last <= shortest,
-         f"None or an int in [1, {shortest}] (task.seq_len and every"
-         " train.eval_lengths are at least that long)", score_last)
-
-
-def _check_curriculum(config) -> None:
-  """The checks of `train.length_curriculum` (see configs/common.py)."""
-  tr = config.train
-  stages = tr.get("length_curriculum", ())
-  name = "train.length_curriculum"
-  _check(name, isinstance(stages, (tuple, list)) and all(
-      isinstance(st, (tuple, list)) and len(st) == 2
-      and all(_is_int(n) and n >= 1 for n in st) for st in stages),
-         "a tuple of (steps, seq_len) pairs of ints >= 1", stages)
-  if not stages:
-    return
-  _check(name, "seq_len" in config.task, "empty for a task without a seq_len"
-         " field", stages)
-  total = sum(steps for steps, _ in stages)
-  _check(name, total <= tr.num_steps,
-         f"stages of at most train.num_steps ({tr.num_steps}) steps in all",
-         stages)
-  tokens = tr.batch_size * config.task.seq_len
-  for _, seq_len in stages:
-    _check(name, tokens % seq_len == 0 and (tokens // seq_len)
-           % config.mesh.data == 0,
-           f"stages whose seq_len divides train.batch_size x task.seq_len"
-           f" ({tokens} tokens a step) into a multiple of mesh.data"
-           f" ({config.mesh.data}) sequences", stages)
-    _check(name, seq_len % config.mesh.context == 0,
-           f"stages whose seq_len is a multiple of mesh.context"
-           f" ({config.mesh.context})", stages)
+          f"model.{section}.context_axis must be None: mesh.context sets it;"
+          f" got {model[section].context_axis!r}.")
 
 
 def curriculum_shapes(config) -> list[tuple[int, int, int]]:
@@ -202,14 +125,8 @@ def make_mesh(config) -> jax.sharding.Mesh | None:
   return jax.sharding.Mesh(devices, ("data", "context"))
 
 
-SCHEDULES = ("cosine", "constant", "wsd")
-
-
-def decay_start(tr) -> int | None:
-  """The step at which a "wsd" schedule starts its decay; None otherwise."""
-  if tr.get("schedule", "cosine") != "wsd":
-    return None
-  return tr.num_steps - round(tr.decay_fraction * tr.num_steps)
+SCHEDULES = config_checks.SCHEDULES
+decay_start = config_checks.decay_start  # the step a "wsd" decay starts
 
 
 def make_schedule(tr) -> optax.Schedule:
@@ -285,11 +202,13 @@ def build_program(config) -> Program:
   model_config = config.model
   context = config.mesh.context
   if context > 1:
-    _check("task.seq_len", task.seq_len % context == 0,
-           f"a multiple of mesh.context ({context})", task.seq_len)
-    if model_lib.uses_kda(config.model):  # KDA and its conv across ranks
-      model_config = copy.deepcopy(config.model)
-      model_config.kda.context_axis = "context"
+    config_checks.check("task.seq_len", task.seq_len % context == 0,
+                        f"a multiple of mesh.context ({context})",
+                        task.seq_len)
+    # The mixers (KDA: its op and its convs) split T across ranks.
+    model_config = copy.deepcopy(config.model)
+    for section in model_lib.sections_with(config.model, "context_parallel"):
+      model_config[section].context_axis = "context"
   model = model_lib.make_model(model_config, task.vocab_size)
   # Parameters do not depend on the mesh: initialise them outside it.
   init_model = (model if model_config is config.model else
@@ -332,11 +251,9 @@ def _loss_fn(config, model, mesh, vocab_size):
       return nll / denom, correct / denom
     return loss_fn
   # tokamax's Pallas kernels do not trace under shard_map's check_vma.
-  may_run_mosaic = model_lib.uses_kda(config.model) and (
-      kda_api.may_run_mosaic(config.model.kda.backend))
   return parallel_train.shard_loss_fn(
       sums_fn, mesh, "data", "context" if config.mesh.context > 1 else None,
-      has_aux=True, check_vma=not may_run_mosaic)
+      has_aux=True, check_vma=model_lib.traces_under_check_vma(config.model))
 
 
 def _train_step(loss_fn, optimizer, shapes):

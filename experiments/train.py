@@ -498,6 +498,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     summary fields are not written; the dict is returned regardless).
   """
   program_lib.validate_config(config)
+  config = program_lib.with_canonical_names(config)  # e.g. "mosaic"
   with model_lib.host_context(config.model):  # e.g. Mosaic off TPU
     return _train_and_evaluate(config, workdir, stop_at_step)
 

@@ -20,8 +20,10 @@ ALLOWED = {
     "configs": ("configs",),
     "cli": ("configs", "experiments", "linear_attention"),
     "benchmarks": ("benchmarks", "configs", "experiments", "linear_attention"),
-    "experiments": ("experiments", "linear_attention.modules",
-                    "linear_attention.ops", "linear_attention.parallel"),
+    # configs.validation: the config checks, plain Python (no numerics).
+    "experiments": ("configs.validation", "experiments",
+                    "linear_attention.modules", "linear_attention.ops",
+                    "linear_attention.parallel"),
     "linear_attention.modules": ("linear_attention.modules",
                                  "linear_attention.ops"),
     "linear_attention.parallel": ("linear_attention.parallel",
@@ -32,6 +34,13 @@ ALLOWED = {
 }
 # Configs are plain data: loading one imports no numerics.
 FORBIDDEN = {"configs": ("jax", "haiku", "optax", "tokamax", "chex", "numpy")}
+# Within a layer: modules that sit below the rest of it (nothing of the
+# project, or only these), so that every other module may use them.
+LEAVES = {
+    "linear_attention.ops.checks": (),  # the op layer's argument checks
+    "linear_attention.modules.mixer": (),  # the mixer contract
+    "configs.validation": (),  # the config checks
+}
 
 
 def _modules():
@@ -48,6 +57,11 @@ def _modules():
 
 
 MODULES = _modules()
+
+
+def _source(name: str) -> str:
+  with open(MODULES[name]) as f:
+    return f.read()
 
 
 def _imports(name, path):
@@ -111,6 +125,39 @@ def test_imports_point_down(name):
     assert "linear_attention.testing" not in GRAPH[name], name
 
 
+@pytest.mark.parametrize("name", sorted(LEAVES))
+def test_leaves_import_nothing_of_the_layer_above_them(name):
+  allowed = LEAVES[name]
+  bad = [m for m in sorted(GRAPH[name]) if _project(m) and not any(
+      m == a or m.startswith(a + ".") for a in allowed)]
+  assert not bad, f"{name} imports {bad}; it may import only {allowed}."
+
+
+def _backend_modules():
+  """The modules registered as backends (they define `NAME`, `supports`)."""
+  for name, path in sorted(MODULES.items()):
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign)
+                for t in n.targets if isinstance(t, ast.Name)}
+    if {"NAME", "supports", "supports_target", "run"} <= defined:
+      yield name
+
+
+def test_backends_do_not_import_their_ops_entry_point():
+  found = list(_backend_modules())
+  assert {"linear_attention.ops.kda.tokamax_kernel",
+          "linear_attention.ops.kda.reference",
+          "linear_attention.ops.kda.chunked",
+          "linear_attention.ops.csa.pallas"} <= set(found), found
+  for name in found:
+    api = name.rsplit(".", 1)[0] + ".api"
+    assert api not in GRAPH[name], (
+        f"{name} imports {api}: a backend is run by the op (its `run`), and"
+        " composes other runners directly, never the public entry point.")
+
+
 def test_no_import_cycles():
   edges = {n: {m for m in deps if m in GRAPH} for n, deps in GRAPH.items()}
   state, stack = {}, []
@@ -148,29 +195,37 @@ def test_a_planted_upward_import_and_cycle_are_caught(tmp_path):
         "linear_attention.ops.kda.api")
 
 
-# One owner for every decision: the KDA backend is resolved by the op alone.
-RESOLVER = "linear_attention.ops.backends"
+# One owner for every decision: an op's backend is resolved by the op alone
+# (its `api` and the registries of `linear_attention.ops.backends`).
+OPS = "linear_attention.ops"
+DECIDERS = ("resolve", "choose", "require")  # `backends.Registry`'s, api's
 
 
 def _resolve_calls(source: str) -> list[int]:
-  """Lines that call `backends.resolve` (or `resolve` imported from it)."""
+  """Lines that make a backend decision: `<ops module or BACKENDS>.resolve`
+  (or `choose`, `require`), or such a function imported from `ops`."""
   tree = ast.parse(source)
-  aliases = {a.asname or a.name for node in ast.walk(tree)
-             if isinstance(node, ast.ImportFrom) and node.module == RESOLVER
-             for a in node.names if a.name == "resolve"}
-  modules = {a.asname or a.name.split(".")[-1] for node in ast.walk(tree)
-             if isinstance(node, (ast.Import, ast.ImportFrom))
-             for a in node.names
-             if f"{getattr(node, 'module', None)}.{a.name}" == RESOLVER
-             or a.name == RESOLVER}
+  imported = [(node.module or "", a) for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) for a in node.names] + [
+                  ("", a) for node in ast.walk(tree)
+                  if isinstance(node, ast.Import) for a in node.names]
+  from_ops = lambda module, a: f"{module}.{a.name}".lstrip(".").startswith(
+      OPS)
+  aliases = {a.asname or a.name for module, a in imported
+             if from_ops(module, a) and a.name in DECIDERS}
+  modules = {a.asname or a.name.split(".")[-1] for module, a in imported
+             if from_ops(module, a) and a.name.split(".")[-1] in (
+                 "api", "backends")}
   lines = []
   for node in ast.walk(tree):
     if not isinstance(node, ast.Call):
       continue
     f = node.func
-    if (isinstance(f, ast.Attribute) and f.attr == "resolve"
-        and isinstance(f.value, ast.Name) and f.value.id in modules) or (
-            isinstance(f, ast.Name) and f.id in aliases):
+    if isinstance(f, ast.Attribute) and f.attr in DECIDERS:
+      owner = _dotted(f.value)
+      if owner.split(".")[0] in modules or owner.endswith("BACKENDS"):
+        lines.append(node.lineno)
+    elif isinstance(f, ast.Name) and f.id in aliases:
       lines.append(node.lineno)
   return lines
 
@@ -178,21 +233,25 @@ def _resolve_calls(source: str) -> list[int]:
 @pytest.mark.parametrize("name", sorted(
     n for n in MODULES if not n.startswith("linear_attention.ops")))
 def test_the_backend_is_resolved_in_ops_only(name):
-  with open(MODULES[name]) as f:
-    lines = _resolve_calls(f.read())
+  lines = _resolve_calls(_source(name))
   assert not lines, (
-      f"{name} calls backends.resolve at lines {lines}: the op decides the"
-      " backend; ask `linear_attention.ops.kda.api.resolved_backend`.")
+      f"{name} decides a backend at lines {lines}: the op decides it; ask"
+      " `linear_attention.ops.kda.api.resolved_backend`.")
 
 
 def test_a_planted_resolve_call_is_caught():
   assert _resolve_calls(
-      "from linear_attention.ops import backends\n"
-      "backends.resolve('auto')\n") == [2]
+      "from linear_attention.ops.kda import api as kda_api\n"
+      "kda_api.resolve('auto', call)\n"
+      "kda_api.BACKENDS.choose('auto', target)\n") == [2, 3]
   assert _resolve_calls(
-      "from linear_attention.ops.backends import resolve as r\nr('auto')\n"
+      "from linear_attention.ops.kda.api import resolve as r\nr('auto')\n"
   ) == [2]
-  assert _resolve_calls("import re\nre.compile('x')\n") == []
+  assert _resolve_calls("import re\nre.compile('x')\n"
+                        "from linear_attention.ops.kda import api\n"
+                        "api.resolved_backend('auto')\n"
+                        "from linear_attention.ops.kda import precision\n"
+                        "precision.resolve('auto', x)\n") == []
 
 
 # Tests pass the library arguments; they never patch its module globals.
@@ -293,8 +352,7 @@ def _impurities(source: str) -> list[str]:
 @pytest.mark.parametrize("name", sorted(
     n for n in MODULES if n.startswith("linear_attention")))
 def test_the_library_is_pure(name):
-  with open(MODULES[name]) as f:
-    found = _impurities(f.read())
+  found = _impurities(_source(name))
   assert not found, (f"{name} prints, reads flags or the environment, or"
                      f" patches: {found}. Log with absl.logging; take values"
                      " as arguments; leave switches to experiments/.")
@@ -308,3 +366,44 @@ def test_planted_impurities_are_caught():
           "4: os.environ", "5: print", "6: setattr"]
   assert _impurities("from absl import logging\nimport os\n"
                      "logging.info(os.path.join('a', 'b'))\n") == []
+
+
+# Code above the mixers asks a mixer's capabilities, never which one it is:
+# no config section read by name, no comparison with a mixer's name.
+MIXER_SECTIONS = ("kda", "attention")
+MIXER_NAMES = ("kda", "kda_zeroed", "gdn", "attention")
+
+
+def _mixer_questions(source: str) -> list[int]:
+  """Lines that read a mixer's config section by name (`model.kda`) or
+  compare a value with a mixer's name (`mixer == "kda"`)."""
+  lines = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Attribute) and node.attr in MIXER_SECTIONS:
+      lines.append(node.lineno)
+    elif isinstance(node, ast.Compare):
+      sides = [node.left, *node.comparators]
+      consts = [c for side in sides for c in (
+          side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set))
+          else [side]) if isinstance(c, ast.Constant)]
+      if any(c.value in MIXER_NAMES for c in consts):
+        lines.append(node.lineno)
+  return sorted(set(lines))
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n in MODULES if _layer(n) in ("experiments", "cli")))
+def test_code_above_the_mixers_asks_capabilities(name):
+  lines = _mixer_questions(_source(name))
+  assert not lines, (
+      f"{name} asks which mixer a layer is at lines {lines}; ask its"
+      " capabilities (`experiments.model.sections_with`, ...).")
+
+
+def test_a_planted_mixer_question_is_caught():
+  assert _mixer_questions(
+      "if config.model.kda.backend:\n  pass\n"
+      "ok = mixer in ('kda', 'gdn')\n"
+      "same = 'attention' == name\n"
+      "fine = model[section].backend\n") == [1, 3, 4]
+

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linear_attention import ops
+from linear_attention.ops import checks
 from linear_attention.ops.csa import api as csa_api
 
 
@@ -69,14 +70,6 @@ def apply_interleaved_rope(x, positions, rope_dim, theta):
   return jnp.concatenate([head, rot], axis=-1)
 
 
-def _int(name, v, lo, allow_none=False):
-  if allow_none and v is None:
-    return
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-    raise ValueError(f"{name} must be an int >= {lo}"
-                     f"{' or None' if allow_none else ''}; got {v!r}.")
-
-
 class CompressedSparseIndexer(hk.Module):
   """DeepSeek-V4 CSA indexer: compressor, score, top-k (see the module doc)."""
 
@@ -98,22 +91,18 @@ class CompressedSparseIndexer(hk.Module):
       name: str | None = None,
   ):
     super().__init__(name=name)
-    _int("num_heads", num_heads, 1)
-    _int("head_dim", head_dim, 1)
-    _int("compress_rate", compress_rate, 1)
-    _int("topk", topk, 1)
-    _int("rope_dim", rope_dim, 0)
-    _int("q_rank", q_rank, 1, allow_none=True)
+    for field, value, low in (("num_heads", num_heads, 1),
+                              ("head_dim", head_dim, 1),
+                              ("compress_rate", compress_rate, 1),
+                              ("topk", topk, 1), ("rope_dim", rope_dim, 0)):
+      checks.int_at_least(field, value, low)
+    checks.int_at_least("q_rank", q_rank, 1, optional=True)
     if rope_dim > head_dim or rope_dim % 2:
       raise ValueError(f"rope_dim must be even and <= head_dim={head_dim};"
                        f" got {rope_dim}.")
-    if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
-      raise ValueError(f"rope_theta must be a positive number; got"
-                       f" {rope_theta!r}.")
-    if not (isinstance(norm_eps, (int, float)) and norm_eps > 0):
-      raise ValueError(f"norm_eps must be a positive number; got"
-                       f" {norm_eps!r}.")
-    self.score_backend = csa_api.Backend.parse(score_backend)
+    checks.positive_number("rope_theta", rope_theta)
+    checks.positive_number("norm_eps", norm_eps)
+    self.score_backend = csa_api.BACKENDS.parse(score_backend)
     self.num_heads, self.head_dim = num_heads, head_dim
     self.compress_rate, self.topk = compress_rate, topk
     self.rope_dim, self.q_rank, self.rope_theta = rope_dim, q_rank, rope_theta

@@ -37,7 +37,7 @@ Choices written down here:
   linear recurrence track state such as parity (`experiments/tasks/
   parity.py`).
 * The backend is the op's decision: the layer passes `backend` through, and
-  with backend="mosaic" the op runs decode pieces whose T is not a multiple
+  with backend="tokamax" the op runs decode pieces whose T is not a multiple
   of 64 on "chunked" (logged once); the kernel needs T % 64 == 0.
 """
 
@@ -50,8 +50,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from linear_attention.modules import mixer
 from linear_attention.modules import norms
 from linear_attention.modules import short_conv
+from linear_attention.ops import checks
 from linear_attention.ops.kda import api as kda_api
 from linear_attention.ops.kda import precision as precision_lib
 
@@ -76,47 +78,31 @@ def validate_kda_layer_args(
     precision: str = "auto",
 ) -> None:
   """Raises ValueError, naming the argument, unless the layer can be built."""
-  if context_axis is not None and not isinstance(context_axis, str):
-    raise ValueError(
-        f"context_axis must be None or a mesh axis name (str); got"
-        f" {context_axis!r}.")
-  for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
-  if (isinstance(expand_v, bool) or not isinstance(expand_v, (int, float))
-      or not math.isfinite(expand_v) or expand_v <= 0
-      or head_dim * expand_v != round(head_dim * expand_v)):
+  checks.mesh_axis_name("context_axis", context_axis)
+  checks.int_at_least("num_heads", num_heads, 1)
+  checks.int_at_least("head_dim", head_dim, 1)
+  if not (checks.is_number(expand_v) and math.isfinite(expand_v)
+          and expand_v > 0
+          and head_dim * expand_v == round(head_dim * expand_v)):
     raise ValueError(
         f"expand_v must be a positive number with head_dim * expand_v a"
         f" whole number (the value head dim); got expand_v={expand_v!r} with"
         f" head_dim={head_dim}.")
-  if isinstance(conv_size, bool) or not isinstance(conv_size, int) or (
-      conv_size < 0):
-    raise ValueError(
-        f"conv_size must be an int >= 0 (0 turns the short conv off); got"
-        f" {conv_size!r}.")
+  checks.int_at_least("conv_size", conv_size, 0,
+                      note=" (0 turns the short conv off)")
   kda_api.validate_lower_bound(lower_bound)
-  kda_api.Backend.parse(backend)
-  if decay not in DECAYS:
-    raise ValueError(f"decay must be one of {DECAYS}; got {decay!r}.")
-  if not isinstance(use_output_gate, bool):
-    raise ValueError(
-        f"use_output_gate must be a bool; got {use_output_gate!r}.")
-  if num_v_heads is not None and (
-      isinstance(num_v_heads, bool) or not isinstance(num_v_heads, int)
-      or num_v_heads < 1 or num_v_heads % num_heads):
+  kda_api.BACKENDS.parse(backend)
+  checks.one_of("decay", decay, DECAYS)
+  checks.boolean("use_output_gate", use_output_gate)
+  if num_v_heads is not None and not (
+      checks.is_int(num_v_heads) and num_v_heads >= 1
+      and num_v_heads % num_heads == 0):
     raise ValueError(
         f"num_v_heads must be None or a positive multiple of num_heads ="
         f" {num_heads}; got {num_v_heads!r}.")
-  if not isinstance(allow_neg_eigval, bool):
-    raise ValueError(
-        f"allow_neg_eigval must be a bool; got {allow_neg_eigval!r}.")
-  if chunk_size is not None and chunk_size not in kda_api.CHUNK_SIZES:
-    raise ValueError(f"chunk_size must be None or one of"
-                     f" {kda_api.CHUNK_SIZES}; got {chunk_size!r}.")
-  if not isinstance(precision, str) or precision not in precision_lib.NAMES:
-    raise ValueError(f"precision must be one of {precision_lib.NAMES}; got"
-                     f" {precision!r}.")
+  checks.boolean("allow_neg_eigval", allow_neg_eigval)
+  checks.one_of("chunk_size", chunk_size, kda_api.CHUNK_SIZES, optional=True)
+  checks.one_of("precision", precision, precision_lib.NAMES)
 
 
 class KDACache(NamedTuple):
@@ -186,8 +172,11 @@ def _tails_at_boundaries(projected, segment_ids, every, conv_size):
 class KimiDeltaAttention(hk.Module):
   """Kimi Delta Attention layer: [B, T, D] -> [B, T, D] (see module docstring).
 
-  Call as `layer(x, segment_ids=None)` -> y, or `layer(x, cache=cache)` ->
-  (y, new_cache) to continue a sequence (prefill, then decode steps).
+  Call as `layer(x, segment_ids=ids)` -> (y, None), or `layer(x,
+  cache=cache)` -> (y, new_cache) to continue a sequence (prefill, then
+  decode steps): the mixer contract (`modules/mixer.py`);
+  `layer.chunk_caches(x, every=C)` also gives the caches at every C-th
+  token.
   """
 
   num_heads: int  # H, the number of heads.
@@ -195,7 +184,9 @@ class KimiDeltaAttention(hk.Module):
   expand_v: float = 1.0  # value head dim V = head_dim * expand_v.
   conv_size: int = 4  # W taps of the short conv; 0 = no conv, SiLU only.
   lower_bound: float | None = None  # None: softplus gate; else in [-5, 0).
-  backend: str = "chunked"  # KDA core: "reference" | "chunked" | "mosaic".
+  # KDA core: a name of `linear_attention.ops.kda.api.BACKENDS`
+  # ("reference", "chunked", "tokamax", "auto"; "mosaic" = "tokamax").
+  backend: str = "chunked"
   # Mesh axis T is split over when called inside jax.shard_map (context
   # parallelism; passed to the short convs and the op), or None.
   context_axis: str | None = None
@@ -231,8 +222,11 @@ class KimiDeltaAttention(hk.Module):
     """HV = num_v_heads, or num_heads when unset."""
     return self.num_v_heads or self.num_heads
 
-  def init_cache(self, batch_size: int, dtype=jnp.float32) -> KDACache:
-    """Zeros: the cache before the first token; dtype of the conv tails."""
+  def init_cache(self, batch_size: int, max_len: int | None = None,
+                 dtype=jnp.float32) -> KDACache:
+    """Zeros: the cache before the first token; dtype of the conv tails.
+    `max_len` is not needed: the state has one size at any length."""
+    del max_len
     return init_kda_cache(
         batch_size, num_heads=self.num_heads, head_dim=self.head_dim,
         expand_v=self.expand_v, conv_size=self.conv_size,
@@ -266,11 +260,10 @@ class KimiDeltaAttention(hk.Module):
             f" and batch {batch}; got {tuple(have.shape)}.")
 
   def __call__(
-      self, x: jax.Array, segment_ids: jax.Array | None = None, *,
-      max_num_segments: int | None = None, cache: KDACache | None = None,
-      chunk_states_every: int | None = None,
-  ) -> jax.Array | tuple[jax.Array, KDACache]:
-    """Applies the layer.
+      self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+      cache: KDACache | None = None, max_num_segments: int | None = None,
+  ) -> tuple[jax.Array, KDACache | None]:
+    """Applies the layer (the mixer contract, `modules/mixer.py`).
 
     Args:
       x: [B, T, D] inputs.
@@ -278,29 +271,46 @@ class KimiDeltaAttention(hk.Module):
         information crosses a document boundary (conv and core). With a
         `cache`, every non-zero id is the row's one document continuing the
         cache (use 0 for padding). Padding outputs zero.
+      cache: a `KDACache` to continue from (`init_cache` for a new sequence).
       max_num_segments: static bound on the documents per row, passed to the
         op (which needs it only with states).
-      cache: a `KDACache` to continue from (`init_cache` for a new sequence).
-      chunk_states_every: C, or None. With C (and no `cache`), also returns
-        the decode caches at every C-th token (prefix caching): a `KDACache`
-        whose fields have a boundary axis after B (q_conv [B, T // C, W - 1,
-        H*K], ..., state [B, T // C, HV, K, V]); entry j continues the
-        sequence after token (j + 1) C - 1 exactly like the cache a prefill
-        of those tokens returns (its document only; zeros where that token
-        is padding). The recurrent states come from the op's
-        `output_chunk_states`; "reference" and "chunked" backends. Under
-        `context_axis`, C must be >= W - 1 and divide each rank's T.
 
     Returns:
-      y [B, T, D] in x.dtype; with `cache`, (y, new_cache); with
-      `chunk_states_every`, (y, chunk_caches).
+      (y [B, T, D] in x.dtype, the new cache; None without `cache`).
     """
-    if x.ndim != 3:
-      raise ValueError(f"x must have shape [B, T, D]; got {tuple(x.shape)}.")
+    return self._apply(x, segment_ids, cache, max_num_segments, None)
+
+  @hk.name_like("__call__")  # the same parameters as a call
+  def chunk_caches(
+      self, x: jax.Array, *, every: int, segment_ids: jax.Array | None = None,
+      max_num_segments: int | None = None,
+  ) -> tuple[jax.Array, KDACache]:
+    """The layer on a prefill from the start, and its decode caches at every
+    `every`-th token (prefix caching).
+
+    Args:
+      x, segment_ids, max_num_segments: as `__call__` (no cache).
+      every: C >= 1. Under `context_axis`, C must be >= W - 1 and divide
+        each rank's T.
+
+    Returns:
+      (y [B, T, D], a `KDACache` whose fields have a boundary axis after B:
+      q_conv [B, T // C, W - 1, H*K], ..., state [B, T // C, HV, K, V]);
+      entry j continues the sequence after token (j + 1) C - 1 exactly like
+      the cache a prefill of those tokens returns (its document only; zeros
+      where that token is padding). The recurrent states come from the op's
+      `output_chunk_states` ("reference" and "chunked" backends).
+    """
+    checks.int_at_least("every", every, 1)
+    return self._apply(x, segment_ids, None, max_num_segments, every)
+
+  @hk.transparent
+  def _apply(self, x, segment_ids, cache, max_num_segments, every):
+    """(y, new cache | chunk caches | None); see the two public methods."""
+    checks.rank("x", x, 3, "[B, T, D]")
     b, t, d = x.shape
     cached = cache is not None
-    every = chunk_states_every
-    self._check_call(every, cached)
+    self._check_call(every)
     if cached:
       self._check_cache(cache, b)
       if segment_ids is not None:  # one document per row, 0 = padding
@@ -331,7 +341,7 @@ class KimiDeltaAttention(hk.Module):
                for p in projected]
       return y, KDACache(*tails, state=outs[2].astype(jnp.float32))
     if not cached:
-      return y
+      return y, None
     if segment_ids is not None:
       state = state[:, 0]
     new_tails = [n.astype(c.dtype) for n, c in zip(new_tails, cache)]
@@ -339,20 +349,13 @@ class KimiDeltaAttention(hk.Module):
     chex.assert_trees_all_equal_shapes(new_cache, cache)
     return y, new_cache
 
-  def _check_call(self, every, cached):
-    """ValueError for a `chunk_states_every` this call cannot honour."""
+  def _check_call(self, every):
+    """ValueError for an `every` this call cannot honour."""
     if every is None:
       return
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-      raise ValueError(
-          f"chunk_states_every must be None or an int >= 1; got {every!r}.")
-    if cached:
-      raise ValueError(
-          "chunk_states_every is for a prefill from the start (cache=None);"
-          " got a cache.")
     if self.context_axis is not None and every < self.conv_size - 1:
       raise ValueError(
-          f"chunk_states_every ({every}) must be >= conv_size - 1"
+          f"every ({every}) must be >= conv_size - 1"
           f" ({self.conv_size - 1}) under context_axis.")
 
   @hk.transparent
@@ -411,3 +414,25 @@ class KimiDeltaAttention(hk.Module):
     y = self._linear(d, "o_proj")(o).astype(x.dtype)
     chex.assert_shape(y, (b, t, d))
     return y
+
+
+def _cache(batch_size, max_len, keywords) -> KDACache:
+  """`init_kda_cache` from the layer's keyword arguments."""
+  del max_len  # one size at any length
+  return init_kda_cache(batch_size, **{
+      name: keywords[name] for name in ("num_heads", "head_dim", "expand_v",
+                                        "conv_size", "num_v_heads")
+      if name in keywords})
+
+
+_KDA_CAPABILITIES = mixer.Capabilities(
+    recurrent_state=True, op_backend=True, context_parallel=True)
+# Kimi Delta Attention (config name "kda"), and Gated DeltaNet ("gdn"): the
+# same layer with one decay per head (decay="head"), from the same section.
+MIXER = mixer.Mixer(
+    name="kda", section="kda",
+    build=lambda keywords, name: KimiDeltaAttention(**keywords, name=name),
+    init_cache=_cache,
+    validate=lambda keywords: validate_kda_layer_args(**keywords),
+    capabilities=_KDA_CAPABILITIES)
+GDN_MIXER = dataclasses.replace(MIXER, name="gdn", fixed={"decay": "head"})

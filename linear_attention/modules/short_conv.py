@@ -9,6 +9,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import checks
 from linear_attention.ops import short_conv as short_conv_op
 
 
@@ -30,11 +31,8 @@ class ShortConvolution(hk.Module):
       name: module name.
     """
     super().__init__(name=name)
-    if not isinstance(kernel_size, int) or kernel_size < 1:
-      raise ValueError(f"kernel_size must be an int >= 1; got {kernel_size!r}.")
-    if activation not in short_conv_op.ACTIVATIONS:
-      raise ValueError(f"activation must be one of"
-                       f" {short_conv_op.ACTIVATIONS}; got {activation!r}.")
+    checks.int_at_least("kernel_size", kernel_size, 1)
+    checks.one_of("activation", activation, short_conv_op.ACTIVATIONS)
     self.kernel_size = kernel_size
     self.use_bias = use_bias
     self.activation = activation

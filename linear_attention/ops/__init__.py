@@ -2,12 +2,10 @@
 
 from linear_attention.ops.csa.api import csa_streamindex_score
 from linear_attention.ops.csa.api import csa_streamindex_score_sharded
-from linear_attention.ops.kda.api import Backend
 from linear_attention.ops.kda.api import kimi_delta_attention
 from linear_attention.ops.short_conv import short_conv1d
 
 __all__ = [
-    "Backend",
     "csa_streamindex_score",
     "csa_streamindex_score_sharded",
     "kimi_delta_attention",

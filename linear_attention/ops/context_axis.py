@@ -9,13 +9,14 @@ the state is passed in, so the ops take no layout argument.
 
 import jax
 
+from linear_attention.ops import checks
+
 
 def axis_size(context_axis, name: str = "context_axis") -> int:
   """The size of a bound mesh axis; ValueError if it is not a str or unbound."""
-  if not isinstance(context_axis, str):
-    raise ValueError(
-        f"{name} must be None or the str name of a mesh axis; got"
-        f" {context_axis!r}.")
+  checks.mesh_axis_name(name, context_axis)
+  if context_axis is None:
+    raise ValueError(f"{name} must name a bound mesh axis here; got None.")
   try:
     return jax.lax.axis_size(context_axis)
   except NameError:

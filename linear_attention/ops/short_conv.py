@@ -34,36 +34,24 @@ split over that mesh axis, each rank gets the W - 1 inputs before its slice
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import checks
 from linear_attention.ops import context_axis as axes
 
 ACTIVATIONS = ("silu", None)
 
 
 def _validate(x, w, segment_ids, cache, activation, bias):
-  if x.ndim != 3:
-    raise ValueError(f"x must have shape [B, T, C]; got {tuple(x.shape)}.")
+  checks.rank("x", x, 3, "[B, T, C]")
   b, t, c = x.shape
   if w.ndim != 2 or w.shape[1] != c or w.shape[0] < 1:
     raise ValueError(
         f"w must have shape [W, C] = [W >= 1, {c}] (C from x); got"
         f" {tuple(w.shape)}.")
-  if segment_ids is not None:
-    if tuple(segment_ids.shape) != (b, t):
-      raise ValueError(f"segment_ids must have shape [B, T] = {(b, t)}; got"
-                       f" {tuple(segment_ids.shape)}.")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-      raise ValueError(
-          f"segment_ids must be an integer array; got {segment_ids.dtype}.")
-  if cache is not None and tuple(cache.shape) != (b, w.shape[0] - 1, c):
-    raise ValueError(
-        f"cache must have shape [B, W - 1, C] = {(b, w.shape[0] - 1, c)};"
-        f" got {tuple(cache.shape)}.")
-  if activation not in ACTIVATIONS:
-    raise ValueError(
-        f"activation must be one of {ACTIVATIONS}; got {activation!r}.")
-  if bias is not None and tuple(bias.shape) != (c,):
-    raise ValueError(f"bias must have shape [C] = {(c,)}; got"
-                     f" {tuple(bias.shape)}.")
+  checks.shape("segment_ids", segment_ids, (b, t), "[B, T]")
+  checks.integer_array("segment_ids", segment_ids)
+  checks.shape("cache", cache, (b, w.shape[0] - 1, c), "[B, W - 1, C]")
+  checks.one_of("activation", activation, ACTIVATIONS)
+  checks.shape("bias", bias, (c,), "[C]")
 
 
 def _first_nonzero(ids):

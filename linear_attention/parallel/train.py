@@ -21,6 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from linear_attention.ops import backends
+from linear_attention.ops import checks
 
 
 def shard_loss_fn(
@@ -60,10 +61,7 @@ def shard_loss_fn(
   """
   for name, axis in (("data_axis", data_axis),
                      ("context_axis", context_axis)):
-    if axis is not None and (not isinstance(axis, str)
-                             or axis not in mesh.axis_names):
-      raise ValueError(f"{name} must be None or one of the mesh's axes"
-                       f" {mesh.axis_names}; got {axis!r}.")
+    checks.mesh_axis_name(name, axis, axes=mesh.axis_names)
   axes = tuple(a for a in (data_axis, context_axis) if a is not None)
 
   def local(params, batch):

@@ -4,7 +4,7 @@ Tracing and lowering only (`jax.export` for platforms=["tpu"] inside
 `mosaic.lowering_mode`); nothing is compiled or run. Each export takes a few
 seconds on a CPU.
 
-* the full MQAR step (2 KDA layers, loss, AdamW) with backend="mosaic" holds
+* the full MQAR step (2 KDA layers, loss, AdamW) with backend="tokamax" holds
   tokamax's forward and backward kernels for every layer, the same kernels
   a direct export of the op gives, and no chunked fallback; a layer forced
   onto "chunked" is caught;
@@ -12,7 +12,7 @@ seconds on a CPU.
   and so do the Mosaic data-parallel and context-parallel steps and a
   bfloat16 Mosaic step (JAX's abstract-mesh cross-lowering: nothing in JAX
   or tokamax is patched);
-* the CLI: exit 0 and the kernel count for mosaic, non-zero naming the
+* the CLI: exit 0 and the kernel count for tokamax, non-zero naming the
   problem for chunked and for a bad chip;
 * the `tpu` config variants.
 """
@@ -24,6 +24,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from configs import common as config_lib
@@ -33,6 +34,7 @@ from experiments import export_tpu
 from experiments import program as program_lib
 from linear_attention import ops
 from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import tokamax_kernel
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -63,11 +65,11 @@ def _op_kernels(b, t, h, kd, lower_bound):
 
 @pytest.mark.slow
 def test_full_mqar_step_holds_mosaic_kernels_for_every_layer():
-  config = _config("", **{"model.kda.backend": "mosaic"})
+  config = _config("", **{"model.kda.backend": "tokamax"})
   report = export_tpu.export_train_step(config, "v6e")
   assert report.exported.platforms == ("tpu",)
   assert report.num_kda_layers == config.model.num_layers == 2
-  assert report.backend == "mosaic" and report.num_devices == 1
+  assert report.backend == "tokamax" and report.num_devices == 1
   # Every layer: forward kernels and backward (VJP) kernels.
   assert report.count(FORWARD) >= 2 and report.count(BACKWARD) >= 2
   assert report.count(export_tpu.OTHER) == 0
@@ -88,7 +90,7 @@ def test_problems_flag_missing_kernels_and_old_chips():
   per_layer = collections.Counter({(FORWARD, "f"): 2, (BACKWARD, "b"): 3})
   report = export_tpu.Report(
       chip="TPU_V6E", generation=6, requested_backend="mosaic",
-      backend="mosaic", num_kda_layers=2, num_devices=1,
+      backend="tokamax", num_kda_layers=2, num_devices=1,
       kernels=per_layer + per_layer, per_layer=per_layer,
       serialized_bytes=1, serialized_how="test")
   assert export_tpu.problems(report) == []
@@ -106,8 +108,9 @@ def test_problems_flag_missing_kernels_and_old_chips():
   auto = dataclasses.replace(report, chip="TPU_V5P", generation=5,
                              requested_backend="auto", backend="chunked")
   (problem,) = export_tpu.problems(auto)
-  assert "'auto' picks mosaic on TPU v6+ only" in problem
-  assert "not 'mosaic'" in problem
+  # The backend's own reason (its supports_target), not a rule restated.
+  assert "'auto' passes over 'tokamax' there" in problem
+  assert "v6+ only" in problem and "not 'tokamax'" in problem
   no_kda = dataclasses.replace(report, num_kda_layers=0, backend=None,
                                kernels=collections.Counter())
   assert export_tpu.problems(no_kda) == []
@@ -183,7 +186,7 @@ def test_auto_backend_resolves_to_mosaic_for_the_chip_while_traced():
     report = export_tpu.export_train_step(
         _config(**{"model.kda.backend": "auto", "mesh.data": mesh_data}),
         "v6e")
-    assert report.requested_backend == "auto" and report.backend == "mosaic"
+    assert report.requested_backend == "auto" and report.backend == "tokamax"
     assert export_tpu.problems(report) == []
     assert report.count(FORWARD) >= 1 and report.count(BACKWARD) >= 1
 
@@ -209,15 +212,15 @@ def test_context_parallel_mosaic_step_exports():
   assert report.count(export_tpu.FORWARD) >= 2
 
 
-def _main(capsys, *args):
+def _main(capsys, *args, config="mqar.py:smoke"):
   status = export_tpu.main(
-      ["export_tpu", f"--config={REPO}/configs/mqar.py:smoke", *args])
+      ["export_tpu", f"--config={REPO}/configs/{config}", *args])
   out, err = capsys.readouterr()
   return status, out, err
 
 
-def test_cli_mosaic_smoke_exits_0_and_prints_the_kernels(capsys):
-  status, out, err = _main(capsys, "--config.model.kda.backend=mosaic",
+def test_cli_tokamax_smoke_exits_0_and_prints_the_kernels(capsys):
+  status, out, err = _main(capsys, "--config.model.kda.backend=tokamax",
                            "--chip=v6e")
   assert status == 0, err
   n = int(re.search(r"Mosaic kernels \(tpu_custom_call call sites\): (\d+)",
@@ -228,11 +231,35 @@ def test_cli_mosaic_smoke_exits_0_and_prints_the_kernels(capsys):
   assert out.rstrip().splitlines()[-1].startswith("OK:")
 
 
+def test_cli_hybrid_counts_only_the_layers_that_run_the_kda_op(
+    capsys, tmp_path):
+  # configs/text.py:smoke is the hybrid "kda,attention": one of its two
+  # layers runs the KDA op. One layer's kernels are measured on a one-layer
+  # "kda" model (not on the config with num_layers=1, which the pattern of
+  # two does not divide), and the step holds them once.
+  corpus = tmp_path / "corpus"
+  rng = np.random.default_rng(0)
+  for i in range(300):  # a small stand-in for the standard library
+    (corpus / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
+    (corpus / f"pkg{i % 4}" / f"m{i}.py").write_bytes(
+        bytes(rng.integers(32, 127, 200).astype(np.uint8)))
+  status, out, err = _main(
+      capsys, "--config.model.kda.backend=mosaic", "--chip=v6e",
+      f"--config.task.source_dir={corpus}",
+      f"--config.task.cache_dir={tmp_path / 'cache'}",
+      config="text.py:smoke")
+  assert status == 0, err
+  assert "KDA layers: 1, backend 'mosaic' -> 'tokamax'" in out
+  total = int(re.search(r"call sites\): (\d+)", out).group(1))
+  per_layer = int(re.search(r"per KDA layer: (\d+)", out).group(1))
+  assert total == per_layer >= 2
+
+
 def test_cli_chunked_exits_nonzero_naming_the_backend(capsys):
   status, out, err = _main(capsys, "--config.model.kda.backend=chunked",
                            "--chip=v6e")
   assert status == 1
-  assert "'chunked'" in err and "not 'mosaic'" in err
+  assert "'chunked'" in err and "not 'tokamax'" in err
   assert "Mosaic kernels (tpu_custom_call call sites): 0" in out
 
 
@@ -251,7 +278,7 @@ def test_tpu_variants_fit_their_mesh_and_the_kernel(module):
   assert config.train.batch_size % data == 0
   assert config.train.eval_batch_size % data == 0
   task = program_lib.tasks_lib.make_task(**config.task.to_dict())
-  if config.model.kda.backend == "mosaic":
-    assert task.seq_len % mosaic.CHUNK == 0
+  if config.model.kda.backend == "tokamax":
+    assert task.seq_len % tokamax_kernel.CHUNK == 0
   with pytest.raises(ValueError, match="'tpu'"):
     module.get_config("tpuu")

@@ -283,7 +283,7 @@ def test_data_x_context_mesh_gives_the_single_device_run(tmp_path):
      "no context parallelism"),
     ({"mesh.context": 2, "model.mixer": "kda,attention",
       "model.num_layers": 2}, NotImplementedError,
-     "has an attention layer"),
+     "has a layer of mixer 'attention'"),
 ])
 def test_bad_mesh_values_name_the_field(tmp_path, diff, error, match):
   with pytest.raises(error, match=match):
@@ -334,7 +334,11 @@ def test_cli_mosaic_backend_runs_in_interpret_mode(tmp_path):
   assert "interpret.interpret_mode" in result.stderr
   with open(tmp_path / "summary.json") as f:
     summary = json.load(f)
-  assert summary["backend"] == "mosaic" and summary["steps"] == 1
+  # The resolved name: "mosaic" is the old name of "tokamax"; the run's
+  # config.json records the new one.
+  assert summary["backend"] == "tokamax" and summary["steps"] == 1
+  with open(tmp_path / "config.json") as f:
+    assert json.load(f)["model"]["kda"]["backend"] == "tokamax"
   assert summary["seq_len"] % 64 == 0
 
 

@@ -40,9 +40,8 @@ def _transform(**overrides):
 
   def fwd(x, segment_ids=None, cache=None):
     layer = KimiDeltaAttention(**cfg, name="kda")
-    if cache is None:
-      return layer(x, segment_ids)
-    return layer(x, segment_ids, cache=cache)
+    y, new_cache = layer(x, segment_ids=segment_ids, cache=cache)
+    return y if cache is None else (y, new_cache)
 
   return hk.transform(fwd)
 
@@ -305,8 +304,9 @@ class KimiDeltaAttentionTest(chex.TestCase):
     def fwd(x, seg=None, cache=None, every=None):
       layer = KimiDeltaAttention(**cfg, name="kda")
       if every is not None:
-        return layer(x, seg, chunk_states_every=every)
-      return layer(x, seg) if cache is None else layer(x, seg, cache=cache)
+        return layer.chunk_caches(x, segment_ids=seg, every=every)
+      y, new_cache = layer(x, segment_ids=seg, cache=cache)
+      return y if cache is None else (y, new_cache)
 
     f = hk.transform(fwd)
     t, every = 23, 6
@@ -343,7 +343,7 @@ class KimiDeltaAttentionTest(chex.TestCase):
                                                        num_v_heads=4))
         for name, a, want in zip(KDACache._fields, cache, prefilled):
           testing.assert_close(a, want, rtol=F32_RTOL, name=f"{name} {j}")
-    with pytest.raises(ValueError, match="chunk_states_every"):
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
       apply(params, None, x, seg, every=0)
 
   def test_bfloat16_outputs_are_within_the_bf16_tolerance(self):
@@ -391,7 +391,7 @@ class KimiDeltaAttentionTest(chex.TestCase):
     fields = {f.name for f in dataclasses.fields(KimiDeltaAttention)}
     assert set(config.keys()) == fields - {"name"}
     config.head_dim = 8
-    f = hk.transform(lambda x: KimiDeltaAttention(**config)(x))
+    f = hk.transform(lambda x: KimiDeltaAttention(**config)(x)[0])
     x = _x(1, 4)
     params = jax.eval_shape(f.init, jax.random.key(0), x)
     chex.assert_shape(jax.eval_shape(f.apply, params, None, x), x.shape)
@@ -416,12 +416,13 @@ class KimiDeltaAttentionTest(chex.TestCase):
     kw[name] = value
     with pytest.raises(ValueError, match=f"^{name}") as from_layer:
       hk.transform(lambda: KimiDeltaAttention(**kw)).init(None)
-    # The experiment config fails the same way when the model is built.
+    # The experiment config fails the same way when the model is built,
+    # naming its section.
     model = config_common.model_config()
     model.kda[name] = value
     with pytest.raises(ValueError) as from_config:
       model_lib.validate_model_config(model, vocab_size=16)
-    assert str(from_config.value) == str(from_layer.value)
+    assert str(from_config.value) == f"model.kda: {from_layer.value}"
 
   def test_cache_of_the_wrong_shape_raises(self):
     f = _transform()

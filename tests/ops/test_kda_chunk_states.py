@@ -149,7 +149,7 @@ def test_bad_chunk_state_arguments():
     call(output_chunk_states=True, chunk_states_every=0)
   with pytest.raises(ValueError, match="output_chunk_states"):
     call(output_chunk_states=1)
-  with pytest.raises(NotImplementedError, match="mosaic"):
+  with pytest.raises(NotImplementedError, match="tokamax"):
     call(output_chunk_states=True, backend="mosaic")
   # Under context parallelism every rank's slice must hold whole chunks.
   with pytest.raises(ValueError, match="chunk_states_every"):

@@ -1,4 +1,4 @@
-"""backend="mosaic" lowers to Mosaic for a named TPU from any host.
+"""backend="tokamax" lowers to Mosaic for a named TPU from any host.
 
 `jax.export` for `platforms=["tpu"]` inside `mosaic.lowering_mode(chip)`:
 the exported module must hold tokamax's kernels as `tpu_custom_call`s (the
@@ -16,6 +16,7 @@ import pytest
 from experiments import interpret
 from linear_attention import ops
 from linear_attention.ops import backends
+from linear_attention.ops.kda import api as kda_api
 from linear_attention.ops.kda import mosaic
 from tests import devices as test_devices
 
@@ -87,13 +88,13 @@ def test_interpret_mode_restores_what_it_switched():
 def test_lowering_mode_targets_the_chip_through_jax_not_a_patch():
   # The target is JAX's abstract device; nothing in JAX or tokamax replaced.
   lookup = pltpu.get_tpu_info
-  assert backends.resolve("auto") is backends.Backend.CHUNKED  # a CPU host
+  assert kda_api.resolved_backend("auto") == "chunked"  # a CPU host
   mesh = jax.sharding.Mesh(test_devices.devices(4)[:2], ("data",))
   with mosaic.lowering_mode("v6e", mesh) as abstract:
     assert pltpu.get_tpu_info is lookup
     assert pltpu.get_tpu_info().generation == 6  # from the abstract device
     assert abstract.abstract_device.device_kind == "TPU v6 lite"
-    assert backends.resolve("auto") is backends.Backend.MOSAIC
+    assert kda_api.resolved_backend("auto") == "tokamax"
     assert backends.chunk_size() == 64  # the TPU's, not the host's
     assert backends.target_platform() == "tpu"
     assert backends.target_mesh(mesh) is abstract
@@ -102,7 +103,7 @@ def test_lowering_mode_targets_the_chip_through_jax_not_a_patch():
   with mosaic.lowering_mode("v5p"):
     assert pltpu.get_tpu_info().generation == 5
     assert jax.sharding.get_abstract_mesh().abstract_device.num_cores == 2
-    assert backends.resolve("auto") is backends.Backend.CHUNKED  # before v6
+    assert kda_api.resolved_backend("auto") == "chunked"  # before v6
   assert backends.target_mesh(mesh) is mesh
   assert backends.target_platform() == jax.default_backend()
   with pytest.raises(ValueError, match="num_cores"):

@@ -119,7 +119,7 @@ class PrecisionTest(parameterized.TestCase):
   @parameterized.parameters(("auto", "HIGHEST"), ("default", "DEFAULT"))
   def test_layer_pins_its_projections_too(self, name, want):
     f = hk.transform(lambda x: KimiDeltaAttention(
-        num_heads=2, head_dim=8, lower_bound=-5.0, precision=name)(x))
+        num_heads=2, head_dim=8, lower_bound=-5.0, precision=name)(x)[0])
     x = jax.random.normal(jax.random.key(0), (1, T, 16))
     params = f.init(jax.random.key(1), x)
     with jax.default_matmul_precision("bfloat16" if want == "HIGHEST"

@@ -136,8 +136,8 @@ def _layer(**overrides):
 
   def fwd(x, segment_ids=None, cache=None):
     layer = KimiDeltaAttention(**cfg, name="kda")
-    return layer(x, segment_ids) if cache is None else layer(
-        x, segment_ids, cache=cache)
+    y, new_cache = layer(x, segment_ids=segment_ids, cache=cache)
+    return y if cache is None else (y, new_cache)
   return hk.without_apply_rng(hk.transform(fwd))
 
 

@@ -16,7 +16,7 @@ import pytest
 from experiments import interpret
 from linear_attention import ops
 from linear_attention import testing
-from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import tokamax_kernel
 from tests.kda_oracle import kda_numpy
 from tests.parallel import common
 
@@ -224,7 +224,7 @@ class MosaicContextParallelTest(parameterized.TestCase):
         previous = x or previous
         want[r, i] = max(n, 1)
     got = jax.shard_map(
-        lambda s: mosaic._global_runs(s, AXIS), mesh=common.mesh(num_ranks),
+        lambda s: tokamax_kernel._global_runs(s, AXIS), mesh=common.mesh(num_ranks),
         in_specs=P(None, AXIS), out_specs=P(None, AXIS))(jnp.asarray(ids))
     # exact: integer labels from integer ids (no floating point).
     np.testing.assert_array_equal(got, want)

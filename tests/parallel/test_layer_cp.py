@@ -27,7 +27,7 @@ def layer_fn(context_axis, lower_bound, backend):
     layer = KimiDeltaAttention(
         num_heads=H, head_dim=KD, lower_bound=lower_bound, backend=backend,
         context_axis=context_axis, name="kda")
-    return layer(x, segment_ids)
+    return layer(x, segment_ids=segment_ids)[0]
   return hk.without_apply_rng(hk.transform(fwd))
 
 
@@ -81,7 +81,7 @@ def model_fn(context_axis):
     # "chunked".
     x = x + KimiDeltaAttention(num_heads=H, head_dim=KD, lower_bound=-5.0,
                                backend="reference", context_axis=context_axis,
-                               name="kda")(x, ids)
+                               name="kda")(x, segment_ids=ids)[0]
     logits = hk.Linear(VOCAB, name="unembed")(x)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]

@@ -1,4 +1,4 @@
-"""`csa_streamindex_score`: validate, resolve the backend, dispatch (one match).
+"""`csa_streamindex_score`: validate, resolve the backend, run.
 
 DeepSeek-V4 Compressed Sparse Attention (CSA) StreamIndex indexer score
 (DeepSeek-V4 inference code, `Indexer`; MaxText
@@ -17,49 +17,32 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-import numpy as np
 
-from linear_attention.ops import backend_enum
 from linear_attention.ops import backends
+from linear_attention.ops import checks
+from linear_attention.ops.csa import common
 from linear_attention.ops.csa import pallas
 from linear_attention.ops.csa import reference
 from linear_attention.ops.csa import xla_chunked
 
-
-class Backend(backend_enum.BackendEnum):
-  """Every implementation of the score; all return float32 [B, S, W]."""
-
-  REFERENCE = "reference"  # one einsum over [B, S, H, W]: the oracle
-  XLA_CHUNKED = "xla_chunked"  # query tiles x head chunks, custom VJP
-  PALLAS = "pallas"  # fused forward/backward Pallas kernels (TPU)
+# The score's backends (`linear_attention.ops.backends`), each returning
+# float32 [B, S, W]: "reference" (one einsum over [B, S, H, W]: the oracle),
+# "xla_chunked" (query tiles x head chunks, custom VJP), "pallas" (fused
+# forward/backward Pallas kernels, TPU). No "auto": the caller names one.
+BACKENDS = backends.Registry("CSA", (reference, xla_chunked, pallas))
 
 
 def _check(name, x, shape, what, *, integer=False):
-  if tuple(x.shape) != tuple(shape):
-    raise ValueError(f"{name} must have shape {what} = {tuple(shape)}; got"
-                     f" {tuple(x.shape)}.")
-  if integer and not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array; got {x.dtype}.")
-  if not integer and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"{name} must be a floating dtype; got {x.dtype}.")
-
-
-def _positive_int(name, v):
-  if v is not None and (not isinstance(v, (int, np.integer))
-                        or isinstance(v, bool) or v < 1):
-    raise ValueError(f"{name} must be None or an int >= 1; got {v!r}.")
+  checks.shape(name, x, shape, what)
+  (checks.integer_array if integer else checks.floating)(name, x)
 
 
 def _validate(q, k, w, *, softmax_scale, compress_rate, q_positions,
               block_last_positions, q_segment_ids, kv_segment_ids, backend,
-              interpret, block_q, block_w, head_chunk):
-  if getattr(q, "ndim", None) != 4:
-    raise ValueError(
-        f"q must have shape [B, S, H, D]; got {getattr(q, 'shape', q)}.")
+              options):
+  checks.rank("q", q, 4, "[B, S, H, D]")
   b, s, h, d = q.shape
-  if getattr(k, "ndim", None) != 3:
-    raise ValueError(f"k_compressed must have shape [B, W, D]; got"
-                     f" {getattr(k, 'shape', k)}.")
+  checks.rank("k_compressed", k, 3, "[B, W, D]")
   nw = k.shape[1]
   if min(b, s, h, d, nw) < 1:
     raise ValueError(f"q and k_compressed need B, S, H, D, W >= 1; got q"
@@ -67,14 +50,10 @@ def _validate(q, k, w, *, softmax_scale, compress_rate, q_positions,
   _check("q", q, q.shape, "[B, S, H, D]")
   _check("k_compressed", k, (b, nw, d), "[B, W, D] with q's B and D")
   _check("weights", w, (b, s, h), "[B, S, H]")
-  if isinstance(softmax_scale, bool) or not isinstance(
-      softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+  if not (checks.is_number(softmax_scale) and math.isfinite(softmax_scale)):
     raise ValueError(
         f"softmax_scale must be a finite number; got {softmax_scale!r}.")
-  if isinstance(compress_rate, bool) or not isinstance(
-      compress_rate, (int, np.integer)) or compress_rate < 1:
-    raise ValueError(f"compress_rate must be an int >= 1; got"
-                     f" {compress_rate!r}.")
+  checks.int_at_least("compress_rate", compress_rate, 1)
   if q_positions is not None:
     _check("q_positions", q_positions, (b, s), "[B, S]", integer=True)
   if block_last_positions is not None:
@@ -86,17 +65,13 @@ def _validate(q, k, w, *, softmax_scale, compress_rate, q_positions,
   if q_segment_ids is not None:
     _check("q_segment_ids", q_segment_ids, (b, s), "[B, S]", integer=True)
     _check("kv_segment_ids", kv_segment_ids, (b, nw), "[B, W]", integer=True)
-  for name, v in (("block_q", block_q), ("block_w", block_w),
-                  ("head_chunk", head_chunk)):
-    _positive_int(name, v)
-  if backend is not Backend.PALLAS:
-    if interpret is not None:
-      raise ValueError("interpret applies only to backend='pallas'.")
-    if block_w is not None:
-      raise ValueError("block_w applies only to backend='pallas'.")
-  if backend is Backend.REFERENCE and (block_q, head_chunk) != (None, None):
-    raise ValueError("block_q and head_chunk do not apply to"
-                     " backend='reference'.")
+  for name in ("block_q", "block_w", "head_chunk"):
+    checks.int_at_least(name, options.get(name), 1, optional=True)
+  for name in options:  # the tuning arguments given
+    takers = [n for n, b in BACKENDS.backends.items() if name in b.OPTIONS]
+    if name not in BACKENDS.backends[backend].OPTIONS:
+      raise ValueError(f"{name} applies only to backend in {takers}; got"
+                       f" backend={backend!r}.")
 
 
 def csa_streamindex_score(
@@ -110,7 +85,7 @@ def csa_streamindex_score(
     block_last_positions: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
-    backend: "str | Backend" = "reference",
+    backend: str = "reference",
     interpret: bool | None = None,
     block_q: int | None = None,
     block_w: int | None = None,
@@ -129,7 +104,7 @@ def csa_streamindex_score(
       token; default (w + 1) * r - 1.
     q_segment_ids, kv_segment_ids: [B, S], [B, W] int (together or neither);
       packed documents: a block is visible only inside its own segment.
-    backend: "reference" | "xla_chunked" | "pallas" (or a `Backend`).
+    backend: "reference" | "xla_chunked" | "pallas" (`BACKENDS`).
     interpret: pallas only; True runs Pallas interpret mode on any device,
       None compiles with Mosaic (TPU only: NotImplementedError elsewhere).
     block_q: query rows per tile (xla_chunked, pallas).
@@ -144,13 +119,15 @@ def csa_streamindex_score(
     ValueError: bad input (the message names the argument).
     NotImplementedError: the backend cannot take these tiles.
   """
-  backend = Backend.parse(backend)
+  backend = BACKENDS.parse(backend)
+  options = {name: value for name, value in (
+      ("block_q", block_q), ("block_w", block_w), ("head_chunk", head_chunk),
+      ("interpret", interpret)) if value is not None}
   _validate(q, k_compressed, weights, softmax_scale=softmax_scale,
             compress_rate=compress_rate, q_positions=q_positions,
             block_last_positions=block_last_positions,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            backend=backend, interpret=interpret, block_q=block_q,
-            block_w=block_w, head_chunk=head_chunk)
+            backend=backend, options=options)
   b, s = q.shape[:2]
   nw = k_compressed.shape[1]
   if q_positions is None:
@@ -158,23 +135,13 @@ def csa_streamindex_score(
   if block_last_positions is None:
     block_last_positions = jnp.broadcast_to(
         (jnp.arange(nw, dtype=jnp.int32) + 1) * compress_rate - 1, (b, nw))
-  backend_enum.log_once(("csa", backend),
-                        "Running csa_streamindex_score with backend %s.",
-                        backend.value)
-  kwargs = dict(softmax_scale=softmax_scale, q_positions=q_positions,
-                block_last_positions=block_last_positions,
-                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-  match backend:
-    case Backend.REFERENCE:
-      return reference.score_reference(q, k_compressed, weights, **kwargs)
-    case Backend.XLA_CHUNKED:
-      return xla_chunked.score_xla_chunked(
-          q, k_compressed, weights, block_q=block_q, head_chunk=head_chunk,
-          **kwargs)
-    case Backend.PALLAS:
-      return pallas.score_pallas(
-          q, k_compressed, weights, block_q=block_q, block_w=block_w,
-          head_chunk=head_chunk, interpret=interpret, **kwargs)
+  call = common.Call(
+      q=q, k_compressed=k_compressed, weights=weights,
+      softmax_scale=softmax_scale, q_positions=q_positions,
+      block_last_positions=block_last_positions, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids, options=options,
+      target=backends.target())
+  return BACKENDS.resolve(backend, call).run(call)
 
 
 def csa_streamindex_score_sharded(

@@ -44,8 +44,9 @@ dweights are float32 throughout.
 
 On TPU the kernels compile with Mosaic; elsewhere `interpret=True` runs the
 same kernels in Pallas interpret mode (slow: tests only). Off TPU without it
-the call raises `NotImplementedError`, the rule of KDA's `mosaic` backend:
-a Pallas backend never switches to interpret mode by itself.
+`supports` refuses the call (the op raises `NotImplementedError`), the rule
+of KDA's `tokamax` backend: a Pallas backend never switches to interpret
+mode by itself.
 """
 
 import dataclasses
@@ -58,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linear_attention.ops import backends
+from linear_attention.ops.csa import common
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_W = 512
@@ -67,6 +69,37 @@ _F32 = jnp.float32
 _IMIN = np.iinfo(np.int32).min
 _IMAX = np.iinfo(np.int32).max
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
+
+NAME = "pallas"
+OPTIONS = ("block_q", "block_w", "head_chunk", "interpret")
+NEEDS_TPU = True  # off TPU: only with interpret=True
+
+
+def supports_target(target: backends.Target) -> str | None:
+  if target.platform == "tpu":
+    return None
+  return ("it compiles its kernels with Mosaic, which needs a TPU; the"
+          f" default device is {target.device_kind}. Pass interpret=True to"
+          " run them in Pallas interpret mode (slow), or use"
+          " backend='xla_chunked'.")
+
+
+def supports(call: common.Call) -> str | None:
+  """Why the kernels cannot take `call` (a tile rule, no TPU), or None."""
+  (_, s, h, _), w = call.q.shape, call.k_compressed.shape[1]
+  tiles = {n: call.options.get(n) for n in ("block_q", "block_w",
+                                            "head_chunk")}
+  try:
+    resolve_tiles(s, w, h, **tiles)
+  except NotImplementedError as e:
+    return str(e)
+  if call.options.get("interpret") is not None:
+    return None  # asked for: interpret mode, or Mosaic (e.g. to export)
+  return supports_target(call.target)
+
+
+def run(call: common.Call):
+  return call.run(score_pallas)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,22 +410,13 @@ def score_pallas(q, k_compressed, weights, *, softmax_scale, q_positions,
   runs the kernels in Pallas interpret mode on any device (slow: tests);
   None compiles them with Mosaic, which needs a TPU.
 
-  Raises:
-    NotImplementedError: a tile breaks the TPU block rules (see
-      `resolve_tiles`), or interpret is None off TPU.
+  A call `supports` takes (tiles within the TPU block rules; a TPU, or
+  interpret=True).
   """
   bsz, s, h, d = q.shape
   w = k_compressed.shape[1]
   bq, bw, hc = resolve_tiles(s, w, h, block_q=block_q, block_w=block_w,
                              head_chunk=head_chunk)
-  if interpret is None:
-    if backends.target_platform() != "tpu":
-      raise NotImplementedError(
-          "backend='pallas' compiles its kernels with Mosaic, which needs a"
-          f" TPU; the default device is {jax.default_backend()}. Pass"
-          " interpret=True to run them in Pallas interpret mode (slow), or use"
-          " backend='xla_chunked'.")
-    interpret = False
   t = Tiles(float(softmax_scale), bq, bw, hc, bool(interpret))
   if q_segment_ids is None:
     q_segment_ids = jnp.zeros((bsz, s), jnp.int32)

@@ -18,6 +18,17 @@ train at long S.
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import backends
+from linear_attention.ops.csa import common
+
+NAME = "reference"
+OPTIONS = ()  # tuning arguments it takes
+supports_target = supports = backends.no_limit  # plain XLA: every call
+
+
+def run(call: common.Call):
+  return call.run(score_reference)
+
 
 def visible_mask(q_positions, block_last_positions, q_segment_ids=None,
                  kv_segment_ids=None):

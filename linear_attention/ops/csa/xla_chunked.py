@@ -29,12 +29,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import backends
+from linear_attention.ops.csa import common
 from linear_attention.ops.csa import reference
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_HEAD_CHUNK = 4
 
 _F32 = jnp.float32
+
+NAME = "xla_chunked"
+OPTIONS = ("block_q", "head_chunk")  # tuning arguments it takes
+
+
+supports_target = backends.no_limit  # plain XLA: every device
+
+
+def supports(call: common.Call) -> str | None:
+  h = call.q.shape[2]
+  hc = call.options.get("head_chunk") or min(h, DEFAULT_HEAD_CHUNK)
+  if h % hc:
+    return f"it needs head_chunk to divide H; got head_chunk={hc}, H={h}."
+  return None
+
+
+def run(call: common.Call):
+  return call.run(score_xla_chunked)
 
 
 def _precision(dtype):
@@ -142,18 +162,12 @@ def score_xla_chunked(q, k_compressed, weights, *, softmax_scale, q_positions,
 
   Args (beyond the op's): block_q, query rows per tile (default 256, capped
   at S; S is padded to a multiple inside, padded rows are masked and dropped);
-  head_chunk, heads per inner step (default min(H, 4)); must divide H.
-
-  Raises:
-    NotImplementedError: head_chunk does not divide H.
+  head_chunk, heads per inner step (default min(H, 4)); must divide H
+  (`supports`).
   """
   _, s, h, _ = q.shape
   bq = min(block_q or DEFAULT_BLOCK_Q, s)
   hc = head_chunk or min(h, DEFAULT_HEAD_CHUNK)
-  if h % hc:
-    raise NotImplementedError(
-        f"xla_chunked needs head_chunk to divide H; got head_chunk={hc},"
-        f" H={h}.")
   if q_segment_ids is None:
     q_segment_ids = jnp.zeros(q_positions.shape, jnp.int32)
     kv_segment_ids = jnp.zeros(block_last_positions.shape, jnp.int32)

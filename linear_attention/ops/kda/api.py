@@ -1,4 +1,4 @@
-"""`kimi_delta_attention`: validate, resolve the backend, dispatch (one match).
+"""`kimi_delta_attention`: validate, resolve the backend, run.
 
 Kimi Delta Attention (Kimi Linear, arXiv 2510.26692). Per value head, with
 state S in R^{K x V}, alpha_t = exp(g_t) and beta_t in [0, 1]:
@@ -26,24 +26,27 @@ slice). Computed by the exact state passing of
 own runner: about one extra forward pass with V + K value columns.
 """
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from linear_attention.ops import backends
+from linear_attention.ops import checks
 from linear_attention.ops import context_axis as axes
 from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda import common
-from linear_attention.ops.kda import context_parallel
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import precision as precision_lib
 from linear_attention.ops.kda import reference
+from linear_attention.ops.kda import tokamax_kernel
 
-
-Backend = backends.Backend
+# The op's backends: one module each (`linear_attention.ops.backends`). A new
+# backend is its module, one entry here, and its place in `preference`.
+BACKENDS = backends.Registry(
+    "KDA", (reference, chunked, tokamax_kernel),
+    # "mosaic": tokamax's kernel's name in older configs and saved runs.
+    aliases={"mosaic": tokamax_kernel.NAME},
+    preference={"tpu": (tokamax_kernel.NAME, chunked.NAME),
+                "default": (chunked.NAME,)})
 CHUNK_SIZES = chunked.CHUNK_SIZES  # `chunk_size` of the chunked backend
 
 LOWER_BOUND_MIN = -5.0
@@ -51,103 +54,59 @@ LOWER_BOUND_MIN = -5.0
 
 def validate_lower_bound(lower_bound: float | None, name="lower_bound") -> None:
   """Raises ValueError unless lower_bound is None or a float in [-5, 0)."""
-  if lower_bound is None:
-    return
-  if not isinstance(lower_bound, (int, float)) or not math.isfinite(
-      lower_bound) or not LOWER_BOUND_MIN <= lower_bound < 0:
-    raise ValueError(
-        f"{name} must be None or a finite number in [{LOWER_BOUND_MIN}, 0);"
-        f" got {lower_bound!r}.")
-
-
-def _check_shape(name, x, expected, what):
-  if x is None:
-    return
-  if tuple(x.shape) != tuple(expected):
-    raise ValueError(
-        f"{name} must have shape {what} = {tuple(expected)}; got"
-        f" {tuple(x.shape)}.")
-
-
-def _check_beta_range(beta, allow_neg_eigval):
-  """Raises ValueError if a concrete beta leaves [0, 1] ([0, 2] with the flag).
-
-  Traced values (under jit or grad) cannot be inspected and pass unchecked.
-  """
-  if isinstance(beta, jax.core.Tracer):
-    return
-  hi = 2.0 if allow_neg_eigval else 1.0
-  values = np.asarray(jax.device_get(beta), np.float64)
-  if values.size and not (np.all(values >= 0.0) and np.all(values <= hi)):
-    hint = ("" if allow_neg_eigval else
-            " (allow_neg_eigval=True accepts [0, 2])")
-    raise ValueError(
-        f"beta must lie in [0, {hi:g}]{hint}; got values in"
-        f" [{np.nanmin(values):g}, {np.nanmax(values):g}].")
+  checks.finite_in(name, lower_bound, LOWER_BOUND_MIN, 0, optional=True)
 
 
 def _validate(q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
               use_gate_in_kernel, initial_state, output_final_state,
               segment_ids, max_num_segments, allow_neg_eigval=False):
-  if q.ndim != 4:
-    raise ValueError(f"q must have shape [B, T, H, K]; got {tuple(q.shape)}.")
+  checks.rank("q", q, 4, "[B, T, H, K]")
   b, t, h, kd = q.shape
-  if v.ndim != 4:
-    raise ValueError(
-        f"v must have shape [B, T, HV, V]; got {tuple(v.shape)}.")
+  checks.rank("v", v, 4, "[B, T, HV, V]")
   hv, vd = v.shape[-2:]
   if t < 1 or b < 1 or h < 1 or kd < 1 or vd < 1:
     raise ValueError(
         f"q and v need B, T, H, K, V >= 1; got q {tuple(q.shape)}, v"
         f" {tuple(v.shape)}.")
-  _check_shape("k", k, (b, t, h, kd), "[B, T, H, K] like q")
+  checks.shape("k", k, (b, t, h, kd), "[B, T, H, K] like q")
   if v.shape[:2] != (b, t) or hv < h or hv % h:
     raise ValueError(
         f"v must have shape [B, T, HV, V] with q's B, T and HV (value heads)"
         f" a positive multiple of q's H = {h}; got {tuple(v.shape)}.")
   h = hv  # from here on, every per-head argument follows the value heads
-  _check_shape("g", g, (b, t, h, kd), "[B, T, HV, K]")
-  _check_shape("beta", beta, (b, t, h), "[B, T, HV]")
+  checks.shape("g", g, (b, t, h, kd), "[B, T, HV, K]")
+  checks.shape("beta", beta, (b, t, h), "[B, T, HV]")
   for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"{name} must be a floating dtype; got {x.dtype}.")
-  if scale is not None and not (
-      isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-    raise ValueError(f"scale must be None or a positive finite number; got"
-                     f" {scale!r}.")
+    checks.floating(name, x)
+  checks.positive_number("scale", scale, optional=True)
   validate_lower_bound(lower_bound)
   if use_gate_in_kernel:
     if a_log is None:
       raise ValueError(
           "a_log ([H]) is required when use_gate_in_kernel=True.")
-    _check_shape("a_log", a_log, (h,), "[HV]")
-    _check_shape("dt_bias", dt_bias, (h * kd,), "[HV * K]")
+    checks.shape("a_log", a_log, (h,), "[HV]")
+    checks.shape("dt_bias", dt_bias, (h * kd,), "[HV * K]")
   if segment_ids is not None:
-    _check_shape("segment_ids", segment_ids, (b, t), "[B, T]")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-      raise ValueError(
-          f"segment_ids must be an integer array; got {segment_ids.dtype}.")
+    checks.shape("segment_ids", segment_ids, (b, t), "[B, T]")
+    checks.integer_array("segment_ids", segment_ids)
     if max_num_segments is None and (initial_state is not None
                                      or output_final_state):
       raise ValueError(
           "max_num_segments (static N >= 1) is required when segment_ids is"
           " used with initial_state or output_final_state=True.")
-  if max_num_segments is not None and (
-      not isinstance(max_num_segments, int) or max_num_segments < 1):
-    raise ValueError(
-        f"max_num_segments must be an int >= 1; got {max_num_segments!r}.")
+  checks.int_at_least("max_num_segments", max_num_segments, 1, optional=True)
   if initial_state is not None:
     if segment_ids is None:
-      _check_shape("initial_state", initial_state, (b, h, kd, vd),
+      checks.shape("initial_state", initial_state, (b, h, kd, vd),
                    "[B, HV, K, V]")
     else:
-      _check_shape("initial_state", initial_state,
+      checks.shape("initial_state", initial_state,
                    (b, max_num_segments, h, kd, vd),
                    "[B, max_num_segments, HV, K, V] with segment_ids")
-  if not isinstance(allow_neg_eigval, bool):
-    raise ValueError(
-        f"allow_neg_eigval must be a bool; got {allow_neg_eigval!r}.")
-  _check_beta_range(beta, allow_neg_eigval)
+  checks.boolean("allow_neg_eigval", allow_neg_eigval)
+  checks.values_in("beta", beta, 0.0, 2.0 if allow_neg_eigval else 1.0,
+                   hint="" if allow_neg_eigval else
+                   " (allow_neg_eigval=True accepts [0, 2])")
 
 
 def kimi_delta_attention(
@@ -170,7 +129,7 @@ def kimi_delta_attention(
     allow_neg_eigval: bool = False,
     output_chunk_states: bool = False,
     chunk_states_every: int = 64,
-    backend: str | Backend = "chunked",
+    backend: str = "chunked",
     context_axis: str | None = None,
     chunk_size: int | None = None,
     group_width: int | None = None,
@@ -203,24 +162,25 @@ def kimi_delta_attention(
       [-1, 1]; see the module docstring).
     output_chunk_states: also return the states after every
       `chunk_states_every`-th token (see Returns); "reference" and "chunked"
-      only (NotImplementedError on "mosaic").
+      only (NotImplementedError on "tokamax").
     chunk_states_every: C >= 1, the distance between those states (under
       `context_axis`, each rank's T must be a multiple of C).
-    backend: "reference" | "chunked" | "mosaic" | "auto" (or a `Backend`);
-      resolved here, once, by `linear_attention.ops.backends.resolve`
-      ("auto": mosaic on TPU v6+, chunked elsewhere). A decode piece (an
+    backend: "reference" | "chunked" | "tokamax" (tokamax's Pallas TPU
+      kernel; "mosaic" is accepted for it) | "auto"; resolved here, once, by
+      `resolve` ("auto": the first of "tokamax", "chunked" that takes the
+      call on a TPU, "chunked" elsewhere). A decode piece (an
       `initial_state`, T shorter than a chunk: 16 on CPU, 64 elsewhere)
-      runs the token recurrence; one for "mosaic" with T not a multiple of
-      64 (and no `segment_ids`) runs on chunked.
+      runs the token recurrence; one for "tokamax" with T not a multiple of
+      64 runs on "chunked".
     context_axis: None, or the name of a mesh axis when called inside
       `jax.shard_map` with T split over it (contiguous slices in rank order;
       segment_ids is this rank's slice of the global ids; initial_state and
       the final state are global, the same on every rank). The result is the
       global one on this rank's slice, by exact state passing
-      (`linear_attention.ops.kda.context_parallel`); "mosaic" uses
+      (`linear_attention.ops.kda.context_parallel`); "tokamax" uses
       tokamax's CP path and raises NotImplementedError for its limits.
     chunk_size: tokens per chunk of "chunked": 16 or 64; None is the
-      platform's (`backends.chunk_size`: 16 on CPU, 64 elsewhere). "mosaic"
+      platform's (`backends.chunk_size`: 16 on CPU, 64 elsewhere). "tokamax"
       takes only 64 (NotImplementedError otherwise); "reference" ignores it.
     group_width: chunk-heads x K per step of "chunked"'s grouped scan (an
       int >= 1; None: `chunked.grouped.GROUP_WIDTH`); other backends ignore
@@ -232,7 +192,7 @@ def kimi_delta_attention(
       `jax.lax.Precision` on every matmul), or a
       `linear_attention.ops.kda.precision.Precisions` (per group of
       matmuls). Only TPUs and GPUs (TF32) read it: a CPU computes float32
-      products exactly. "mosaic" takes only "auto" (tokamax's kernel pins
+      products exactly. "tokamax" takes only "auto" (tokamax's kernel pins
       its own). See `linear_attention/ops/kda/precision.py`.
 
   Returns:
@@ -247,7 +207,7 @@ def kimi_delta_attention(
     ValueError: bad input (the message names the argument).
     NotImplementedError: the backend cannot take this input.
   """
-  Backend.parse(backend)  # ValueError: not a backend name
+  backend = BACKENDS.parse(backend)  # ValueError: not a backend name
   precision_lib.validate(precision)  # ValueError: not a precision
   if context_axis is not None:
     axes.axis_size(context_axis)  # ValueError: not a bound axis
@@ -257,134 +217,109 @@ def kimi_delta_attention(
             output_final_state=output_final_state, segment_ids=segment_ids,
             max_num_segments=max_num_segments,
             allow_neg_eigval=allow_neg_eigval)
-  # The one decision. A decode piece continues a state where a chunked form
-  # would pad it: any T without segments (Mosaic takes only multiples of
-  # 64), a piece shorter than a chunk with them; never a context-parallel
-  # shard (a slice of a long sequence).
-  t = q.shape[1]
-  decode = initial_state is not None and context_axis is None and (
-      segment_ids is None or t < backends.MOSAIC_CHUNK)
-  backend = backends.resolve(backend, decode_len=t if decode else None)
-  tuning = _tuning(backend, chunk_size, group_width, precision, q.dtype)
-  if scale is None:
-    scale = q.shape[-1] ** -0.5
-  _check_chunk_states(output_chunk_states, chunk_states_every, backend,
-                      t_local=q.shape[1], context_axis=context_axis)
+  _validate_options(output_chunk_states, chunk_states_every, chunk_size,
+                    group_width, t_local=q.shape[1], context_axis=context_axis)
   group = v.shape[2] // q.shape[2]
   if group > 1:  # grouped value heads: one q/k head per value head
     q, k = (jnp.repeat(x, group, axis=2) for x in (q, k))
-  kwargs = dict(
-      scale=scale, a_log=a_log, dt_bias=dt_bias, lower_bound=lower_bound,
+  call = common.Call(
+      q=q, k=k, v=v, g=g, beta=beta,
+      scale=q.shape[-1] ** -0.5 if scale is None else scale, a_log=a_log,
+      dt_bias=dt_bias, lower_bound=lower_bound,
       use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm=use_qk_l2norm,
       initial_state=initial_state, output_final_state=output_final_state,
-      segment_ids=segment_ids, max_num_segments=max_num_segments)
-  if context_axis is not None and backend is Backend.MOSAIC:
-    return mosaic.kda_mosaic_context_parallel(
-        q, k, v, g, beta, context_axis=context_axis, **kwargs)
-  local_fn = functools.partial(_run, backend, **tuning)
-  if context_axis is not None:
-    return context_parallel.kda_context_parallel(
-        q, k, v, g, beta, context_axis=context_axis, local_fn=local_fn,
-        chunk_states_every=(chunk_states_every if output_chunk_states
-                            else None), **kwargs)
-  out = local_fn(q, k, v, g, beta, **kwargs)
-  if not output_chunk_states:
-    return out
-  states = context_parallel.chunk_states(
-      q, k, v, g, beta, every=chunk_states_every, local_fn=local_fn,
-      local=kwargs, initial_state=initial_state, segment_ids=segment_ids,
-      dtype=common.compute_dtype(q, k, v, g, beta, initial_state))
-  return out + (states,)
+      segment_ids=segment_ids, max_num_segments=max_num_segments,
+      output_chunk_states=output_chunk_states,
+      chunk_states_every=chunk_states_every, context_axis=context_axis,
+      chunk_size=chunk_size, group_width=group_width, precision=precision,
+      target=_target())
+  return resolve(backend, call).run(call)
 
 
-def _check_chunk_states(output_chunk_states, every, backend, *, t_local,
-                        context_axis) -> None:
-  """ValueError / NotImplementedError for a chunk-state request."""
-  if not isinstance(output_chunk_states, bool):
-    raise ValueError(f"output_chunk_states must be a bool; got"
-                     f" {output_chunk_states!r}.")
-  if not output_chunk_states:
-    return
-  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-    raise ValueError(f"chunk_states_every must be an int >= 1; got"
-                     f" {every!r}.")
-  if context_axis is not None and t_local % every:
-    raise ValueError(
-        f"chunk_states_every ({every}) must divide each rank's sequence"
-        f" length under context_axis; got T_local = {t_local}.")
-  if backend is Backend.MOSAIC:
-    raise NotImplementedError(
-        "output_chunk_states is implemented on the 'reference' and"
-        " 'chunked' backends, not 'mosaic' (tokamax's kernel returns no"
-        " intermediate states).")
+def _validate_options(output_chunk_states, every, chunk_size, group_width, *,
+                      t_local, context_axis) -> None:
+  """ValueError for a bad chunk-state request or schedule argument."""
+  checks.boolean("output_chunk_states", output_chunk_states)
+  if output_chunk_states:
+    checks.int_at_least("chunk_states_every", every, 1)
+    if context_axis is not None and t_local % every:
+      raise ValueError(
+          f"chunk_states_every ({every}) must divide each rank's sequence"
+          f" length under context_axis; got T_local = {t_local}.")
+  checks.one_of("chunk_size", chunk_size, CHUNK_SIZES, optional=True)
+  checks.int_at_least("group_width", group_width, 1, optional=True)
 
 
-def _tuning(backend: Backend, chunk_size, group_width, precision,
-            dtype) -> dict:
-  """The backend's schedule and precision arguments, checked."""
-  if chunk_size is not None and chunk_size not in CHUNK_SIZES:
-    raise ValueError(f"chunk_size must be None or one of {CHUNK_SIZES};"
-                     f" got {chunk_size!r}.")
-  if group_width is not None and (isinstance(group_width, bool) or not
-                                  isinstance(group_width, int)
-                                  or group_width < 1):
-    raise ValueError(
-        f"group_width must be None or an int >= 1; got {group_width!r}.")
-  if backend is Backend.MOSAIC and chunk_size not in (None, mosaic.CHUNK):
-    raise NotImplementedError(
-        f"backend='mosaic' runs tokamax's kernel on {mosaic.CHUNK}-token"
-        f" chunks; got chunk_size={chunk_size}.")
-  if backend is Backend.MOSAIC:
-    if precision != "auto":
-      raise NotImplementedError(
-          "backend='mosaic' runs tokamax's kernel, which pins its own matmul"
-          f" precision; precision must be 'auto', got {precision!r}.")
-    return {}
-  resolved = precision_lib.resolve(precision, dtype)
-  if backend is Backend.REFERENCE:
-    return dict(precision=resolved)
-  return dict(chunk_size=chunk_size, group_width=group_width,
-              precision=resolved)
+def _target(device_kind: str | None = None) -> backends.Target:
+  return backends.target(device_kind, off_tpu_mode=mosaic.off_tpu_mode())
 
 
-def resolved_backend(backend: "str | Backend" = "auto", *,
+def resolve(backend: str, call: common.Call):
+  """The backend module that runs `call`: the one decision, logged once.
+
+  `backend` (a name, an alias or "auto") goes through `BACKENDS` (explicit:
+  itself; "auto": the first of the platform's preference that takes the
+  call), then the op's decode rule: a decode piece (`Call.decode`) shorter
+  than a chunk (`backends.chunk_size()`: 16 on CPU, 64 elsewhere) runs the
+  token recurrence, "reference" (one state update a token instead of a
+  padded chunk; recurrentgemma runs its T == 1 step the same way), and one
+  the backend hands on (its `decode_fallback`) runs there. Both are logged
+  once; the numbers are the same to float32 rounding. Then the backend must
+  take the call (`NotImplementedError` with its reason otherwise).
+  """
+  name = BACKENDS.choose(backend, call.target, call)
+  t = call.q.shape[1]
+  if call.decode and name != reference.NAME:
+    fallback = getattr(BACKENDS.backends[name], "decode_fallback",
+                       lambda _: None)(call)
+    if t < backends.chunk_size():
+      fallback = reference.NAME
+    if fallback is not None:
+      backends.log_once(
+          ("KDA decode", name, t), "KDA decode piece of T=%d: backend %r"
+          " instead of %r (%s).", t, fallback, name,
+          "the token recurrence: shorter than a chunk"
+          if fallback == reference.NAME else "its decode fallback")
+      name = fallback
+  return BACKENDS.require(name, call)
+
+
+def resolved_backend(backend: str = "auto", *,
                      device_kind: str | None = None) -> str:
   """The backend `kimi_delta_attention(..., backend=backend)` runs, by name.
 
-  For a call that does not continue a state (never "auto"), on this host,
-  on the target of `mosaic.lowering_mode` in context, or on `device_kind`
-  (e.g. "TPU v6 lite"): what experiments record and report.
+  The canonical name ("mosaic" gives "tokamax"); for "auto", the first of
+  the platform's preference that runs on the target: this host, the target
+  of `mosaic.lowering_mode` in context, or `device_kind` (e.g. "TPU v6
+  lite"). What experiments record and report. A call that backend cannot
+  take (e.g. T not a multiple of 64 on "tokamax") makes "auto" take the
+  next one, logged.
   """
-  return backends.resolve(backend, device_kind=device_kind).value
+  return BACKENDS.choose(backend, _target(device_kind))
 
 
-def may_run_mosaic(backend: "str | Backend") -> bool:
-  """Whether a program built with `backend` may run tokamax's Pallas kernel.
+def supports_target(backend: str, device_kind: str) -> str | None:
+  """Why `backend` (not "auto") cannot run on a device of `device_kind`
+  (a TPU that `mosaic.lowering_mode` lowers for included), or None."""
+  return BACKENDS.supports_target(
+      backend, backends.target(device_kind, off_tpu_mode="lowering"))
 
-  "mosaic", and "auto" (Mosaic on the TPU v6+ the program is compiled for,
-  which may be another machine: `mosaic.lowering_mode`). Such a program is
-  traced without shard_map's `check_vma`, which the kernel does not support.
+
+def traces_under_check_vma(backend: str) -> bool:
+  """Whether every backend `backend` may run (for "auto": on any platform,
+  since a program may be lowered for another machine) traces inside
+  `jax.shard_map` with `check_vma=True` (tokamax's Pallas kernels do not)."""
+  return BACKENDS.capability(backend, "CHECK_VMA", True)
+
+
+def runs_interpreted(backend: str) -> bool:
+  """Whether `backend` runs a TPU kernel in Pallas interpret mode here.
+
+  True when it resolves to a backend that needs a TPU ("tokamax") and this
+  host is not a TPU: the kernel then runs only inside `mosaic.interpreted()`,
+  which the caller sets up (`experiments.interpret.interpret_mode`; seconds
+  per call, tiny shapes).
   """
-  return Backend.parse(backend) in (Backend.MOSAIC, Backend.AUTO)
-
-
-def runs_interpreted(backend: "str | Backend") -> bool:
-  """Whether `backend` runs tokamax's kernel in Pallas interpret mode here.
-
-  True when it resolves to "mosaic" and this host is not a TPU: the kernel
-  then runs only inside `mosaic.interpreted()`, which the caller sets up
-  (`experiments.interpret.interpret_mode`; seconds per call, tiny shapes).
-  """
-  return (resolved_backend(backend) == Backend.MOSAIC.value
+  name = resolved_backend(backend)
+  return (getattr(BACKENDS.backends[name], "NEEDS_TPU", False)
           and jax.default_backend() != "tpu")
-
-
-def _run(backend: Backend, q, k, v, g, beta, **kwargs):
-  """The backend's single-device runner on validated arguments."""
-  match backend:
-    case Backend.REFERENCE:
-      return reference.kda_reference(q, k, v, g, beta, **kwargs)
-    case Backend.CHUNKED:
-      return chunked.kda_chunked(q, k, v, g, beta, **kwargs)
-    case Backend.MOSAIC:
-      return mosaic.kda_mosaic(q, k, v, g, beta, **kwargs)

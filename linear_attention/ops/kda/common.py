@@ -1,7 +1,10 @@
-"""Input preparation shared by the XLA backends (`reference`, `chunked`).
+"""What the KDA backends share: the call they are asked about, and the input
+preparation of the XLA backends (`reference`, `chunked`).
 
-Every backend takes the op's full keyword set (see `api.kimi_delta_attention`)
-and returns `(o, final_state)`. The two XLA backends first bring the inputs to
+`Call` is one validated call of `api.kimi_delta_attention`: a backend's
+`supports(call)` reads it, its `run(call)` runs it. Every backend's
+single-device runner takes the op's keyword set (`Call.op_kwargs`) and
+returns `(o, final_state)`. The two XLA backends first bring the inputs to
 one canonical form with `prepare`:
 
 * q (times `scale`), k, v, g and beta in the compute dtype (`compute_dtype`:
@@ -19,12 +22,60 @@ which starts from `initial_state[:, id - 1]` (zero by default). A padding token
 segment n is the state after its last token (its initial state if it has none).
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import backends
 from linear_attention.ops.kda import gates
+
+
+class Call(NamedTuple):
+  """One validated call of the op (q and k already repeated to the value
+  heads), on the device it is compiled for."""
+
+  q: jax.Array  # [B, T, HV, K]
+  k: jax.Array  # [B, T, HV, K]
+  v: jax.Array  # [B, T, HV, V]
+  g: jax.Array  # [B, T, HV, K]
+  beta: jax.Array  # [B, T, HV]
+  scale: float
+  a_log: jax.Array | None
+  dt_bias: jax.Array | None
+  lower_bound: float | None
+  use_gate_in_kernel: bool
+  use_qk_l2norm: bool
+  initial_state: jax.Array | None
+  output_final_state: bool
+  segment_ids: jax.Array | None
+  max_num_segments: int | None
+  output_chunk_states: bool
+  chunk_states_every: int
+  context_axis: str | None
+  chunk_size: int | None  # as asked (None: the backend's own)
+  group_width: int | None
+  precision: Any  # as asked: a name or a `precision.Precisions`
+  target: backends.Target
+
+  @property
+  def decode(self) -> bool:
+    """A piece that continues a state where a chunked form would pad it:
+    an initial state, no context axis (a shard is a slice of a long
+    sequence), and no segments or T shorter than the accelerators' chunk."""
+    return (self.initial_state is not None and self.context_axis is None
+            and (self.segment_ids is None
+                 or self.q.shape[1] < backends.ACCELERATOR_CHUNK))
+
+  def op_kwargs(self) -> dict[str, Any]:
+    """The keyword arguments every backend's single-device runner takes."""
+    return dict(
+        scale=self.scale, a_log=self.a_log, dt_bias=self.dt_bias,
+        lower_bound=self.lower_bound,
+        use_gate_in_kernel=self.use_gate_in_kernel,
+        use_qk_l2norm=self.use_qk_l2norm, initial_state=self.initial_state,
+        output_final_state=self.output_final_state,
+        segment_ids=self.segment_ids, max_num_segments=self.max_num_segments)
 
 
 def compute_dtype(*arrays) -> jnp.dtype:

@@ -5,8 +5,8 @@ Called inside `jax.shard_map` with T split over the mesh axis `context_axis`
 computes the global result on its own slice. Nothing of the sequence is
 gathered; only states cross ranks.
 
-Algorithm (backends "reference" and "chunked"; the per-rank engine is the
-backend's own runner, passed in by `ops.kimi_delta_attention` as `local_fn`,
+Algorithm (backends "reference" and "chunked", whose `run` is `run` below;
+the per-rank engine is the backend's own single-device runner, `local_fn`,
 so the algorithm is exact and backend-agnostic). The delta rule
 S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T is
 affine in S_{t-1}; with v = 0 it is linear. Per rank r:
@@ -46,8 +46,8 @@ pieces composes their maps (step 3), emitting the state at each piece's last
 token. Under context parallelism each rank starts that scan from the state
 its ranks before pass on.
 
-Backend "mosaic" uses tokamax's own CP path instead (`ops/kda/mosaic.py`,
-`kda_mosaic_context_parallel`).
+Backend "tokamax" uses tokamax's own CP path instead
+(`ops/kda/tokamax_kernel.py`, `kda_tokamax_context_parallel`).
 
 Sequence layout: contiguous slices in rank order, the only one exact for a
 recurrence (see `linear_attention.ops.context_axis`).
@@ -259,6 +259,30 @@ def chunk_states(q, k, v, g, beta, *, every, local_fn, local, initial_state,
   carry = common.vary_like(carry, q)
   _, out = jax.lax.scan(step, carry, xs)  # [n, B, H, K, V]
   return jnp.moveaxis(out, 0, 1)
+
+
+def run(local_fn, call: common.Call):
+  """`call` on a backend's single-device runner `local_fn`: directly (with
+  its chunk-boundary states when asked), or, under its context axis, by the
+  exact state passing of this module. How the XLA backends run a call.
+
+  `local_fn(q, k, v, g, beta, **call.op_kwargs()) -> (o, final_state)`.
+  """
+  kwargs = call.op_kwargs()
+  xs = (call.q, call.k, call.v, call.g, call.beta)
+  if call.context_axis is not None:
+    return kda_context_parallel(
+        *xs, context_axis=call.context_axis, local_fn=local_fn,
+        chunk_states_every=(call.chunk_states_every
+                            if call.output_chunk_states else None), **kwargs)
+  out = local_fn(*xs, **kwargs)
+  if not call.output_chunk_states:
+    return out
+  states = chunk_states(
+      *xs, every=call.chunk_states_every, local_fn=local_fn, local=kwargs,
+      initial_state=call.initial_state, segment_ids=call.segment_ids,
+      dtype=common.compute_dtype(*xs, call.initial_state))
+  return out + (states,)
 
 
 def kda_context_parallel(

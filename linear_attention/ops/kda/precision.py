@@ -37,6 +37,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import checks
+
 Precision = jax.lax.Precision
 
 
@@ -92,6 +94,5 @@ def for_dtype(name: str, dtype) -> Precision:
   For matmuls outside the op's groups (a layer's projections): "auto" is
   HIGHEST for float32 / float64 and DEFAULT for bfloat16 / float16 inputs.
   """
-  if not isinstance(name, str):
-    raise ValueError(f"precision must be one of {NAMES}; got {name!r}.")
+  checks.one_of("precision", name, NAMES)
   return resolve(name, dtype).state

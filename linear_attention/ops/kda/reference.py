@@ -16,6 +16,10 @@ error back with learning rate beta, read with q:
 One `lax.scan` over tokens, batched over B and H. Segments (packed documents)
 follow `common`'s rules: a new run loads its segment's initial state, padding
 is a no-op with zero output. Accumulation is float32.
+
+Backend "reference": runs every call on every device (`supports` is always
+None); under a context axis and for chunk-boundary states through
+`context_parallel.run`.
 """
 
 import functools
@@ -23,7 +27,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from linear_attention.ops import backends
 from linear_attention.ops.kda import common
+from linear_attention.ops.kda import context_parallel
+from linear_attention.ops.kda import precision as precision_lib
+
+NAME = "reference"
+supports_target = supports = backends.no_limit  # plain XLA: every call
+
+
+def run(call: common.Call):
+  precision = precision_lib.resolve(call.precision, call.q.dtype)
+  return context_parallel.run(
+      functools.partial(kda_reference, precision=precision), call)
 
 
 def kda_reference(

@@ -72,6 +72,8 @@ import jax.numpy as jnp
 
 from linear_attention.ops import backends
 from linear_attention.ops.kda import common
+from linear_attention.ops.kda import context_parallel
+from linear_attention.ops.kda import precision as precision_lib
 from linear_attention.ops.kda.chunked import grouped
 from linear_attention.ops.kda.chunked import intra
 from linear_attention.ops.kda.chunked import segmented
@@ -82,6 +84,16 @@ block_size = intra.block_size
 group_size = grouped.group_size
 
 CHUNK_SIZES = (16, 64)  # the chunk sizes the tests cover
+NAME = "chunked"
+supports_target = supports = backends.no_limit  # plain XLA: every call
+
+
+def run(call: common.Call):
+  """Backend "chunked": the call through `context_parallel.run`."""
+  local = functools.partial(
+      kda_chunked, chunk_size=call.chunk_size, group_width=call.group_width,
+      precision=precision_lib.resolve(call.precision, call.q.dtype))
+  return context_parallel.run(local, call)
 
 
 def kda_chunked(

@@ -1,10 +1,10 @@
 """Causal softmax attention with a short conv on q, k and v, and its KV cache.
 
-The experiments' attention mixer: the fair baseline of the synthetic tasks
-(the same short conv and SiLU on q, k and v as the KDA layer; without the
-conv it sat at the 1/N plateau on MQAR), and, with `rope=False`, Kimi
-Linear's global attention layer (arXiv 2510.26692, §4: no positional
-encoding, KDA carries position).
+The attention mixer (`MIXER`, config name "attention"): the fair baseline of
+the synthetic tasks (the same short conv and SiLU on q, k and v as the KDA
+layer; without the conv it sat at the 1/N plateau on MQAR), and, with
+`rope=False`, Kimi Linear's global attention layer (arXiv 2510.26692, §4:
+no positional encoding, KDA carries position).
 
     q, k, v = SiLU(ShortConv(x W_q)), SiLU(ShortConv(x W_k)), SiLU(ShortConv(x W_v))
     q, k    = RoPE(q), RoPE(k)                  (rope=True)
@@ -15,9 +15,12 @@ The mask is causal and, with `segment_ids`, keeps each token to its own
 packed document (padding outputs zero). Scores go through
 `jax.nn.dot_product_attention`.
 
-Decoding: `init_attention_cache(...)` holds the conv tails and a key/value
-buffer of `max_len` positions; `layer(x, cache=cache)` writes the new keys
-at `cache.length` and attends over the positions written so far.
+The mixer contract (`linear_attention.modules.mixer`): `layer(x, *,
+segment_ids=None, cache=None) -> (y, new_cache or None)`. Decoding:
+`init_attention_cache(...)` holds the conv tails and a key/value buffer of
+`max_len` positions; `layer(x, cache=cache)` writes the new keys at
+`cache.length` and attends over the positions written so far. No context
+parallelism (a query needs every key before it).
 """
 
 import dataclasses
@@ -27,7 +30,9 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from linear_attention.modules import mixer
 from linear_attention.modules import short_conv
+from linear_attention.ops import checks
 
 WEIGHT_STDDEV = 0.02  # as the KDA layer
 
@@ -48,13 +53,31 @@ class AttentionCache(NamedTuple):
   v: jax.Array
   length: jax.Array
 
+  @property
+  def max_positions(self) -> int:
+    """The positions the key/value buffer holds (`init_cache`'s max_len)."""
+    return self.k.shape[1]
+
+
+def validate_attention_args(*, num_heads: int, head_dim: int,
+                            conv_size: int = 4, rope_base: float = 10_000.0,
+                            rope: bool = True) -> None:
+  """Raises ValueError, naming the argument, unless the layer can be built."""
+  checks.int_at_least("num_heads", num_heads, 1)
+  checks.int_at_least("head_dim", head_dim, 1)
+  if head_dim % 2:
+    raise ValueError(f"head_dim must be even (RoPE); got {head_dim}.")
+  checks.int_at_least("conv_size", conv_size, 0,
+                      note=" (0 turns the short conv off)")
+  checks.positive_number("rope_base", rope_base)
+  checks.boolean("rope", rope)
+
 
 def init_attention_cache(batch_size: int, *, num_heads: int, head_dim: int,
                          conv_size: int, max_len: int,
                          dtype=jnp.float32) -> AttentionCache:
   """An all-zero `AttentionCache` for up to `max_len` positions."""
-  if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-    raise ValueError(f"max_len must be an int >= 1; got {max_len!r}.")
+  checks.int_at_least("max_len", max_len, 1)
   width = max(conv_size - 1, 0)
   tail = jnp.zeros((batch_size, width, num_heads * head_dim), dtype)
   kv = jnp.zeros((batch_size, max_len, num_heads, head_dim), dtype)
@@ -86,15 +109,21 @@ class ShortConvSoftmaxAttention(hk.Module):
   rope: bool = True  # False: no positional encoding (Kimi Linear's NoPE)
   name: str | None = None
 
+  def __post_init__(self):
+    validate_attention_args(
+        num_heads=self.num_heads, head_dim=self.head_dim,
+        conv_size=self.conv_size, rope_base=self.rope_base, rope=self.rope)
+    super().__post_init__()  # hk.Module.__init__(name=self.name)
+
   def init_cache(self, batch_size: int, max_len: int,
                  dtype=jnp.float32) -> AttentionCache:
     return init_attention_cache(
         batch_size, num_heads=self.num_heads, head_dim=self.head_dim,
         conv_size=self.conv_size, max_len=max_len, dtype=dtype)
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, *,
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                cache: AttentionCache | None = None):
-    """y [B, T, D]; with `cache`, (y, new_cache).
+    """(y [B, T, D], new_cache, or None without `cache`).
 
     `segment_ids` [B, T] (1-indexed documents, 0 = padding) keep attention
     inside each document; with a cache they are not taken (decoding runs
@@ -144,7 +173,7 @@ class ShortConvSoftmaxAttention(hk.Module):
     y = hk.Linear(d, with_bias=False, name="out",
                   w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))(
                       o.reshape(b, t, h * dh))
-    return y if cache is None else (y, new_cache)
+    return y, new_cache
 
 
 def _training_mask(t, segment_ids):
@@ -164,3 +193,15 @@ def _attend(q, k, v, mask):
   """softmax(q k^T / sqrt(Dh), masked) v on [B, T, H, Dh] / [B, S, H, Dh]."""
   return jax.nn.dot_product_attention(q, k, v, mask=mask,
                                       implementation="xla")
+
+
+MIXER = mixer.Mixer(
+    name="attention", section="attention",
+    build=lambda keywords, name: ShortConvSoftmaxAttention(**keywords,
+                                                           name=name),
+    init_cache=lambda batch_size, max_len, kw: init_attention_cache(
+        batch_size, num_heads=kw["num_heads"], head_dim=kw["head_dim"],
+        conv_size=kw["conv_size"], max_len=max_len),
+    validate=lambda keywords: validate_attention_args(**keywords),
+    capabilities=mixer.Capabilities(recurrent_state=False, op_backend=False,
+                                    context_parallel=False))
