@@ -22,17 +22,18 @@ paths() {
       tests/ops/test_kda_chunked_naive.py tests/ops/test_kda_device_accuracy.py \
       tests/ops/test_kda_export.py tests/ops/test_kda_gates.py \
       tests/ops/test_kda_linalg.py tests/ops/test_backends.py \
-      tests/ops/test_gradient_anchors.py ;;
+      tests/ops/test_gradient_anchors.py tests/ops/test_kda_pallas_batched.py ;;
     ops_random) echo tests/ops/test_kda_randomized.py \
       tests/ops/test_kda_regressions.py ;;
     ops_csa) echo tests/ops/test_csa.py tests/ops/test_short_conv.py \
       tests/modules/test_csa_indexer.py tests/modules/test_short_conv.py ;;
-    modules) echo tests/modules/test_kda.py tests/parallel tests/test_*.py ;;
+    modules) echo tests/modules/test_kda.py tests/test_*.py ;;
+    parallel) echo tests/parallel ;;
     experiments_a) echo tests/experiments/test_export_tpu.py \
       tests/experiments/test_faults.py tests/experiments/test_generation.py \
       tests/experiments/test_model.py tests/experiments/test_multiprocess.py \
       tests/experiments/test_recall.py tests/experiments/test_compilation_cache.py \
-      tests/experiments/test_distributed.py ;;
+      tests/experiments/test_distributed.py tests/experiments/test_mixers.py ;;
     experiments_b) echo tests/experiments/test_run.py \
       tests/experiments/test_run_lock.py tests/experiments/test_schedules.py \
       tests/experiments/test_tasks.py tests/experiments/test_text.py ;;
@@ -40,7 +41,7 @@ paths() {
     *) return 1 ;;
   esac
 }
-ALL="ops_kda ops_more ops_random ops_csa modules experiments_a experiments_b experiments_sweep"
+ALL="ops_kda ops_more ops_random ops_csa modules parallel experiments_a experiments_b experiments_sweep"
 
 if [ "${1:-}" = "--list" ]; then  # every piece's test files, one a line
   for piece in $ALL; do paths "$piece"; done | tr ' ' '\n'
