@@ -22,7 +22,8 @@ paths() {
       tests/ops/test_kda_chunked_naive.py tests/ops/test_kda_device_accuracy.py \
       tests/ops/test_kda_export.py tests/ops/test_kda_gates.py \
       tests/ops/test_kda_linalg.py tests/ops/test_backends.py \
-      tests/ops/test_gradient_anchors.py tests/ops/test_kda_pallas_batched.py ;;
+      tests/ops/test_gradient_anchors.py tests/ops/test_kda_pallas_batched.py \
+      tests/ops/test_kda_pallas_backend.py ;;
     ops_random) echo tests/ops/test_kda_randomized.py \
       tests/ops/test_kda_regressions.py ;;
     ops_csa) echo tests/ops/test_csa.py tests/ops/test_short_conv.py \

@@ -27,7 +27,7 @@ def test_auto_is_tokamax_on_tpu_v6_and_newer_only(kind, expected):
 
 
 def test_names_aliases_and_capabilities():
-  assert KDA.names() == ("reference", "chunked", "tokamax", "auto")
+  assert KDA.names() == ("reference", "chunked", "tokamax", "pallas", "auto")
   # "mosaic", the name older configs and saved runs use, is tokamax.
   assert KDA.parse("mosaic") == "tokamax"
   assert kda_api.resolved_backend("mosaic") == "tokamax"

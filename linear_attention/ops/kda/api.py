@@ -35,6 +35,7 @@ from linear_attention.ops import context_axis as axes
 from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda import common
 from linear_attention.ops.kda import mosaic
+from linear_attention.ops.kda import pallas
 from linear_attention.ops.kda import precision as precision_lib
 from linear_attention.ops.kda import reference
 from linear_attention.ops.kda import tokamax_kernel
@@ -42,7 +43,7 @@ from linear_attention.ops.kda import tokamax_kernel
 # The op's backends: one module each (`linear_attention.ops.backends`). A new
 # backend is its module, one entry here, and its place in `preference`.
 BACKENDS = backends.Registry(
-    "KDA", (reference, chunked, tokamax_kernel),
+    "KDA", (reference, chunked, tokamax_kernel, pallas),
     # "mosaic": tokamax's kernel's name in older configs and saved runs.
     aliases={"mosaic": tokamax_kernel.NAME},
     preference={"tpu": (tokamax_kernel.NAME, chunked.NAME),

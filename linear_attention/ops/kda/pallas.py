@@ -1,0 +1,96 @@
+"""Backend "pallas": our Pallas TPU kernels (`pallas_batched.py`) behind the op.
+
+The forward kernel takes the op's raw inputs in its own [B, T, H, *] layout
+and does the preparation itself (q/k L2 norm, the scale, the lower-bound
+gate); the backward kernel runs under a custom VJP. Design and measurements:
+docs/kernel.md. `supports` names the kernel's limits (the op raises them as
+`NotImplementedError` for an explicit `backend="pallas"`, and "auto" passes
+over it):
+
+* a TPU (developed on v5e, exported for v5e and v6e), the target of
+  `mosaic.lowering_mode()`, or any device inside `mosaic.interpreted()`
+  (Pallas interpret mode: tests);
+* float32 or bfloat16 q, k, v of one dtype; K and V multiples of 128;
+* the fused lower-bound gate (`use_gate_in_kernel=True` with
+  `lower_bound` in [-5, 0)): the kernel's exponent factors need every log
+  decay >= -5, which neither the softplus gate nor a pre-activated g
+  guarantees (and a traced g cannot be checked);
+* chunk 16, 32, 64 (the default) or 128 tokens;
+* not yet: packed segments, `context_axis`, chunk-boundary states.
+
+Grouped value heads arrive with q and k already repeated (`common.Call`).
+`group_width` (the chunked backend's schedule) does not apply and is not
+read. A decode piece shorter than a chunk runs the token recurrence (the
+op's decode rule).
+"""
+
+from linear_attention.ops import backends
+from linear_attention.ops.kda import common
+from linear_attention.ops.kda import pallas_batched
+from linear_attention.ops.kda import precision as precision_lib
+
+NAME = "pallas"
+CHECK_VMA = False  # a pallas_call does not trace under check_vma
+NEEDS_TPU = True  # off TPU: only in Pallas interpret mode
+CHUNKS = (16, 32, 64, 128)
+DEFAULT_CHUNK = 64
+LANES = pallas_batched.LANES
+
+
+def supports_target(target: backends.Target) -> str | None:
+  """Why the kernels cannot run on `target`, or None."""
+  if target.off_tpu_mode == "interpret" or target.platform == "tpu":
+    return None
+  return ("it runs our Pallas TPU kernel, which needs a TPU; the default"
+          f" device is {target.device_kind}. On CPU, call it inside"
+          " `experiments.interpret.interpret_mode()` (Pallas interpret"
+          " mode), export it for a TPU inside"
+          " `linear_attention.ops.kda.mosaic.lowering_mode()`, or use"
+          " backend='chunked'.")
+
+
+def supports(call: common.Call) -> str | None:
+  """Why the kernels cannot take `call`, or None (see the module docstring)."""
+  q, v = call.q, call.v
+  kd, vd = q.shape[-1], v.shape[-1]
+  if call.segment_ids is not None:
+    return ("our Pallas kernel has no packed segments yet (segment_ids); use"
+            " backend='chunked' or 'tokamax'.")
+  if call.context_axis is not None:
+    return ("our Pallas kernel does not run under context_axis yet; use"
+            " backend='chunked' (exact state passing).")
+  if call.output_chunk_states:
+    return ("output_chunk_states is implemented on the 'reference' and"
+            " 'chunked' backends.")
+  if call.chunk_size not in (None,) + CHUNKS:
+    return (f"our Pallas kernel runs chunks of {', '.join(map(str, CHUNKS))}"
+            f" tokens; got chunk_size={call.chunk_size}.")
+  reason = supports_target(call.target)
+  if reason is not None:
+    return reason
+  if (q.dtype.name not in ("float32", "bfloat16") or v.dtype != q.dtype
+      or call.k.dtype != q.dtype):
+    return ("our Pallas kernel takes float32 or bfloat16 q, k, v of one"
+            f" dtype; got q {q.dtype}, k {call.k.dtype}, v {v.dtype}.")
+  if kd % LANES or vd % LANES:
+    return (f"our Pallas kernel needs K and V to be multiples of {LANES} (TPU"
+            f" lanes); got K={kd}, V={vd}.")
+  if not call.use_gate_in_kernel or call.lower_bound is None:
+    return ("our Pallas kernel needs the fused lower-bound gate"
+            " (use_gate_in_kernel=True, lower_bound in [-5, 0)): its"
+            " exponent factors need every log decay >= -5, which the softplus"
+            " gate and a pre-activated g do not guarantee.")
+  return None
+
+
+def run(call: common.Call):
+  """The call on our kernels; `supports(call)` is None."""
+  o, final = pallas_batched.kda(
+      call.q, call.k, call.v, call.g, call.beta, call.initial_state,
+      scale=call.scale, a_log=call.a_log, dt_bias=call.dt_bias,
+      lower_bound=call.lower_bound, use_gate_in_kernel=True,
+      use_qk_l2norm=call.use_qk_l2norm,
+      precision=precision_lib.resolve(call.precision, call.q.dtype),
+      chunk=call.chunk_size or DEFAULT_CHUNK,
+      interpret=call.target.off_tpu_mode == "interpret")
+  return o, final if call.output_final_state else None
