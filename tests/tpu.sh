@@ -25,7 +25,7 @@ paths() {
       tests/ops/test_gradient_anchors.py tests/ops/test_kda_pallas_batched.py \
       tests/ops/test_kda_pallas_backend.py ;;
     ops_random) echo tests/ops/test_kda_randomized.py \
-      tests/ops/test_kda_regressions.py ;;
+      tests/ops/test_kda_regressions.py tests/ops/test_kda_bad_values.py ;;
     ops_csa) echo tests/ops/test_csa.py tests/ops/test_short_conv.py \
       tests/modules/test_csa_indexer.py tests/modules/test_short_conv.py ;;
     modules) echo tests/modules/test_kda.py tests/test_*.py ;;

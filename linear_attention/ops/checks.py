@@ -141,13 +141,30 @@ def concrete(x) -> np.ndarray | None:
   return np.asarray(jax.device_get(x), np.float64)
 
 
+def _offenders(values: np.ndarray, bad: np.ndarray, limit: int = 3) -> str:
+  """'N value(s) outside, e.g. 1.5 at (0, 3, 1), nan at (1, 0, 0)'."""
+  where = np.argwhere(bad)
+  shown = ", ".join(
+      f"{values[tuple(i)]:g} at {tuple(int(j) for j in i)}"
+      for i in where[:limit])
+  more = "" if len(where) <= limit else ", ..."
+  return f"{len(where)} value(s) outside: {shown}{more}"
+
+
 def values_in(name: str, x, low: float, high: float, *, hint: str = ""
               ) -> None:
-  """Every value of a concrete `x` lies in [low, high]; traced `x` passes."""
+  """Every value of a concrete `x` lies in [low, high] (NaN does not);
+  traced `x` passes (see `in_range` for the traced case)."""
   values = concrete(x)
   if values is None or not values.size:
     return
-  if not (np.all(values >= low) and np.all(values <= high)):
-    raise ValueError(
-        f"{name} must lie in [{low:g}, {high:g}]{hint}; got values in"
-        f" [{np.nanmin(values):g}, {np.nanmax(values):g}].")
+  bad = ~((values >= low) & (values <= high))  # NaN compares False: bad
+  if bad.any():
+    raise ValueError(f"{name} must lie in [{low:g}, {high:g}]{hint}; got"
+                     f" {_offenders(values, bad)}.")
+
+
+def in_range(x, low: float, high: float) -> jax.Array:
+  """Elementwise `low <= x <= high` (False for NaN), traced or not: what
+  an op uses to mark the rows of out-of-range traced input."""
+  return (x >= low) & (x <= high)

@@ -28,6 +28,7 @@ own runner: about one extra forward pass with V + K value columns.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linear_attention.ops import backends
 from linear_attention.ops import checks
@@ -108,6 +109,53 @@ def _validate(q, k, v, g, beta, *, scale, a_log, dt_bias, lower_bound,
   checks.values_in("beta", beta, 0.0, 2.0 if allow_neg_eigval else 1.0,
                    hint="" if allow_neg_eigval else
                    " (allow_neg_eigval=True accepts [0, 2])")
+  if not use_gate_in_kernel:
+    checks.values_in("g", g, -np.inf, 0.0,
+                     hint=" (a log decay; use_gate_in_kernel=True takes the"
+                     " raw gate)")
+  if segment_ids is not None:
+    checks.values_in("segment_ids", segment_ids, 0,
+                     np.inf if max_num_segments is None else max_num_segments,
+                     hint=" (0 = padding" + (
+                         "" if max_num_segments is None else
+                         ", at most max_num_segments") + ")")
+
+
+def _traced_bad_rows(g, beta, segment_ids, *, use_gate_in_kernel,
+                     allow_neg_eigval, max_num_segments):
+  """[B, HV] True where a traced input of that row and head lies outside its
+  range (what `_validate` raises for on concrete input); None when nothing
+  is traced. The op then returns NaN for those rows (`_poison`)."""
+  traced = lambda x: isinstance(x, jax.core.Tracer)
+  bad = None
+  if traced(beta):
+    bad = ~checks.in_range(beta, 0.0, 2.0 if allow_neg_eigval else 1.0)
+  if not use_gate_in_kernel and traced(g):
+    positive = ~jnp.all(checks.in_range(g, -jnp.inf, 0.0), axis=-1)
+    bad = positive if bad is None else bad | positive
+  if segment_ids is not None and traced(segment_ids):
+    high = jnp.inf if max_num_segments is None else max_num_segments
+    ids = ~checks.in_range(segment_ids, 0, high)[:, :, None]
+    bad = ids if bad is None else bad | ids
+  return None if bad is None else jnp.any(bad, axis=1)
+
+
+def _poison(result, bad):
+  """NaN in every output row, state and chunk state of a bad (row, head)."""
+  if bad is None:
+    return result
+  o, *states = result
+  b, hv = bad.shape
+  o = jnp.where(bad[:, None, :, None], jnp.nan, o)
+  out = []
+  for s in states:
+    if s is None:
+      out.append(s)
+      continue
+    # [B, HV, K, V], [B, N, HV, K, V] or chunk states [B, T // C, HV, K, V].
+    mask = bad.reshape((b,) + (1,) * (s.ndim - 4) + (hv, 1, 1))
+    out.append(jnp.where(mask, jnp.nan, s))
+  return (o, *out)
 
 
 def kimi_delta_attention(
@@ -205,8 +253,17 @@ def kimi_delta_attention(
     rank's slice.
 
   Raises:
-    ValueError: bad input (the message names the argument).
+    ValueError: bad input (the message names the argument, the allowed
+      range and the offending values: beta outside [0, 1] ([0, 2] with
+      allow_neg_eigval), a pre-activated g above 0, segment ids outside
+      [0, max_num_segments], NaN anywhere in those).
     NotImplementedError: the backend cannot take this input.
+
+  Traced input (under `jit`, `grad`, ...) cannot be read while tracing.
+  There the same ranges are checked on the device instead, and a (row,
+  head) with any value outside them (NaN included) gets NaN for its whole
+  output row and its final (and chunk) states; a bad segment id poisons
+  every head of its row. Valid rows are unaffected.
   """
   backend = BACKENDS.parse(backend)  # ValueError: not a backend name
   precision_lib.validate(precision)  # ValueError: not a precision
@@ -234,7 +291,11 @@ def kimi_delta_attention(
       chunk_states_every=chunk_states_every, context_axis=context_axis,
       chunk_size=chunk_size, group_width=group_width, precision=precision,
       target=_target())
-  return resolve(backend, call).run(call)
+  bad = _traced_bad_rows(g, beta, segment_ids,
+                         use_gate_in_kernel=use_gate_in_kernel,
+                         allow_neg_eigval=allow_neg_eigval,
+                         max_num_segments=max_num_segments)
+  return _poison(resolve(backend, call).run(call), bad)
 
 
 def _validate_options(output_chunk_states, every, chunk_size, group_width, *,
