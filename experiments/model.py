@@ -199,14 +199,26 @@ def validate_model_config(model, vocab_size: int) -> None:
     raise ValueError(f"model.compute_dtype must be one of {COMPUTE_DTYPES};"
                      f" got {dtype!r}.")
   att = model.attention
+  for field, low in (("num_heads", 1), ("head_dim", 2), ("conv_size", 0)):
+    value = att[field]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise ValueError(f"model.attention.{field} must be an int >= {low};"
+                       f" got {value!r}.")
   if att.head_dim % 2:
     raise ValueError(f"model.attention.head_dim must be even (RoPE); got"
                      f" {att.head_dim}.")
   if not isinstance(att.get("rope", True), bool):
     raise ValueError(f"model.attention.rope must be a bool; got"
                      f" {att.rope!r}.")
+  if not isinstance(att.rope_base, (int, float)) or not (
+      1 < att.rope_base < float("inf")):
+    raise ValueError(f"model.attention.rope_base must be a finite number > 1;"
+                     f" got {att.rope_base!r}.")
   if any(m in KDA_MIXERS for m in mixers):
-    kda_module.validate_kda_layer_args(**model.kda)
+    try:
+      kda_module.validate_kda_layer_args(**model.kda)
+    except ValueError as e:  # the layer names its argument; say where it is
+      raise ValueError(f"model.kda: {e}") from None
   del vocab_size
 
 

@@ -46,7 +46,18 @@ def _is_int(x) -> bool:
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad field of `config`."""
+  """Raises ValueError naming the first bad field of `config`.
+
+  Every field is checked here, the task's and the model's too (by building
+  the task and checking the model's arguments), so a run refuses a bad
+  config before it writes anything.
+  """
+  if "task" not in config and {"base", "cells"} <= set(config):
+    raise ValueError(
+        "the config is a sweep config (a base config crossed with its"
+        " cells, configs/sweeps/), not one experiment: give it to the sweep"
+        " command, experiments.sweep, or give one experiment config"
+        " (configs/*.py).")
   for section in ("task", "model", "train"):
     _check(section, section in config, "a section of the config", None)
   _check("seed", _is_int(config.seed) and config.seed >= 0, "an int >= 0",
@@ -63,8 +74,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
            isinstance(tr[field], (int, float)) and tr[field] > 0
            and math.isfinite(tr[field]), "a positive number", tr[field])
   _check("train.weight_decay",
-         isinstance(tr.weight_decay, (int, float)) and tr.weight_decay >= 0,
-         "a number >= 0", tr.weight_decay)
+         isinstance(tr.weight_decay, (int, float)) and tr.weight_decay >= 0
+         and math.isfinite(tr.weight_decay), "a finite number >= 0",
+         tr.weight_decay)
+  for field in ("b1", "b2"):  # Adam's moment decays
+    _check(f"train.{field}", isinstance(tr[field], (int, float))
+           and 0 <= tr[field] < 1, "in [0, 1)", tr[field])
   _check("train.final_lr_fraction",
          isinstance(tr.final_lr_fraction, (int, float))
          and 0 <= tr.final_lr_fraction <= 1, "in [0, 1]", tr.final_lr_fraction)
@@ -112,6 +127,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(
           "model.kda.context_axis must be None: mesh.context sets it; got"
           f" {config.model.kda.context_axis!r}.")
+  task = tasks_lib.make_task(**config.task.to_dict())  # the task's checks
+  model_lib.validate_model_config(config.model, task.vocab_size)
 
 
 def _check_score_last(config) -> None:
