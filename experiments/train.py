@@ -221,9 +221,11 @@ def _resume_step(workdir: str, ckpt, tr, stored) -> int:
 
 # Fields that may change between a run and its resumption: where and how it
 # runs, not what it computes (the backends are the same op; the mesh splits
-# the same batch), and how often it logs or saves.
+# the same batch; the text corpus is the same wherever its cache is, which
+# corpus.json checks), and how often it logs or saves.
 RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
-                    "train.log_every", "train.checkpoint_every")
+                    "task.cache_dir", "train.log_every",
+                    "train.checkpoint_every")
 
 
 # Fields added to the configs after runs were written without them, with the
