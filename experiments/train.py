@@ -521,9 +521,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 def _train_and_evaluate(config, workdir, stop_at_step):
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
   tr = config.train
+  # Built before the workdir is made: a config that cannot run here (a mesh
+  # of more devices than there are) leaves nothing behind.
   prog = program_lib.build_program(config)
+  os.makedirs(workdir, exist_ok=True)
   task = prog.task
   check_corpus(workdir, task)
   stored = stored_config(workdir)
