@@ -13,7 +13,8 @@ chance, wall time, steps/s), `results.json` (the run summaries) and
 `accuracy.png` (held-out accuracy curves, one line per run). The table is
 printed at the end. Every run's config is checked before the first trains;
 a mistake (an unknown mixer, an empty or repeated list entry, a bad seed or
-rate) is one line on stderr and exit status 2 (experiments/cli.py).
+rate) is one line on stderr and exit status 2 (experiments/cli.py;
+`--verbose` adds the traceback).
 """
 
 import json

@@ -52,6 +52,9 @@ EXIT_MISTAKE = 2
 VERBOSE = flags.DEFINE_bool(
     "verbose", False, "On a mistake in the command (exit status 2), print the"
     " traceback above its one-line message.")
+# `run` declares --verbose a key flag of the module that calls it (the
+# entry point), so that its --help lists it.
+flags.disclaim_key_flags()
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN_CODE = tuple(os.path.join(_ROOT, d) + os.sep
@@ -108,6 +111,7 @@ def run(main: Callable[[list[str]], int | None], *,
         raise
       return report(e, sys.argv)
 
+  flags.declare_key_flag(VERBOSE)
   app.run(guarded, flags_parser=parse)
 
 
