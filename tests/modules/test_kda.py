@@ -416,12 +416,13 @@ class KimiDeltaAttentionTest(chex.TestCase):
     kw[name] = value
     with pytest.raises(ValueError, match=f"^{name}") as from_layer:
       hk.transform(lambda: KimiDeltaAttention(**kw)).init(None)
-    # The experiment config fails the same way when the model is built.
+    # The experiment config fails the same way when the model is built,
+    # saying where the argument is.
     model = config_common.model_config()
     model.kda[name] = value
     with pytest.raises(ValueError) as from_config:
       model_lib.validate_model_config(model, vocab_size=16)
-    assert str(from_config.value) == str(from_layer.value)
+    assert str(from_config.value) == f"model.kda: {from_layer.value}"
 
   def test_cache_of_the_wrong_shape_raises(self):
     f = _transform()
