@@ -21,7 +21,10 @@ The config is locked: a misspelt override fails before anything runs.
 Rerunning with the same workdir resumes from the latest checkpoint. With
 `model.kda.backend=mosaic` on a machine whose default device is not a TPU,
 the run goes inside `experiments.interpret.interpret_mode()`.
-Flags are read here, in `main`, and nowhere else.
+Flags are read here, in `main`, and nowhere else. A mistake in the command
+(a missing config file, an unknown or ill-typed field, a value out of range,
+a workdir that is a file) is one line on stderr and exit status 2, before
+anything runs; `--verbose` adds the traceback (experiments/cli.py).
 """
 
 from absl import app
@@ -30,6 +33,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from experiments import cli
 from experiments import compilation_cache
 from experiments import train
 
@@ -41,7 +45,7 @@ _WORKDIR = flags.DEFINE_string(
 _STOP_AT_STEP = flags.DEFINE_integer(
     "stop_at_step", None,
     "Stop after this step without the final checkpoint or summary, as if "
-    "killed (for resume tests); rerun without it to finish.")
+    "killed (for resume tests); rerun without it to finish.", lower_bound=1)
 _MULTIPROCESS = flags.DEFINE_bool(
     "multiprocess", False,
     "Call jax.distributed.initialize() with no arguments: JAX detects the "
@@ -51,9 +55,11 @@ _COORDINATOR = flags.DEFINE_string(
     "jax.distributed.initialize's coordinator_address (host:port of process "
     "0), with --num_processes and --process_id.")
 _NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "jax.distributed.initialize's num_processes.")
+    "num_processes", None, "jax.distributed.initialize's num_processes.",
+    lower_bound=1)
 _PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None, "jax.distributed.initialize's process_id.")
+    "process_id", None, "jax.distributed.initialize's process_id.",
+    lower_bound=0)
 _COMPILATION_CACHE_DIR = flags.DEFINE_string(
     "compilation_cache_dir", compilation_cache.DEFAULT_DIR,
     compilation_cache.FLAG_HELP)
@@ -67,6 +73,10 @@ def _initialize_distributed() -> None:
       raise app.UsageError(
           "--coordinator_address, --num_processes and --process_id go"
           " together.")
+    if _PROCESS_ID.value >= _NUM_PROCESSES.value:
+      raise app.UsageError(
+          f"--process_id ({_PROCESS_ID.value}) must be below --num_processes"
+          f" ({_NUM_PROCESSES.value}).")
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value,
                                process_id=_PROCESS_ID.value)
@@ -80,12 +90,12 @@ def _initialize_distributed() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv  # no positional arguments (cli.run)
   config = _CONFIG.value
   workdir = _WORKDIR.value
   if config is None or not workdir:
     raise app.UsageError("--config and --workdir are required.")
+  train.check_run(config, workdir)  # before anything is logged or run
   _initialize_distributed()  # before any other JAX call
   compilation_cache.enable(_COMPILATION_CACHE_DIR.value)
   train.quiet_orbax_logs()
@@ -97,4 +107,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  cli.run(main)

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-t
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from benchmarks import kda_error_vs_length  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from linear_attention import ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 AXIS = "context"
@@ -92,7 +93,8 @@ def sequence_gather_bytes(t, h, kd, vd, ranks):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results/cp_comm.json")
+  parser.add_argument("--out", default="benchmarks/results/cp_comm.json",
+                      type=cli.output_path)
   a = parser.parse_args()
   commit, dirty = kda_error_vs_length.git_commit()
   result = dict(commit=commit, dirty=dirty, jax=jax.__version__,
@@ -117,4 +119,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

@@ -30,6 +30,7 @@ import numpy as np
 
 from benchmarks import kda_error_vs_length
 from benchmarks import kda_speed
+from experiments import cli
 from linear_attention import ops
 from linear_attention.ops.csa import pallas
 
@@ -132,6 +133,6 @@ def main(small, out=None):
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--small", action="store_true", help="a quick smoke run")
-  parser.add_argument("--out", default=None, help="also write JSON here")
-  flags = parser.parse_args()
-  main(small=flags.small, out=flags.out)
+  parser.add_argument("--out", default=None, help="also write JSON here",
+                      type=cli.output_path)
+  cli.run_script(lambda: main(**vars(parser.parse_args())))

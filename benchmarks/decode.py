@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kda_speed
+from experiments import cli
 from linear_attention.modules import attention as attention_lib
 from linear_attention.modules import kda as kda_module
 
@@ -124,16 +125,17 @@ def plot(rows, path):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+  parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768",
+                      type=cli.positive_ints)
+  parser.add_argument("--rounds", type=cli.positive_int, default=5)
+  parser.add_argument("--steps", type=cli.positive_int, default=20)
+  parser.add_argument("--out", default="benchmarks/results/decode_cpu.json",
+                      type=cli.output_path)
   args = parser.parse_args()
   rate = kda_speed.matmul_gflops()
   print(f"machine: {platform.processor() or platform.machine()},"
         f" {os.cpu_count()} cores, 2048^3 f32 matmul {rate:.0f} GFLOP/s")
-  rows = bench([int(n) for n in args.lengths.split(",")], args.rounds,
-               args.steps)
+  rows = bench(args.lengths, args.rounds, args.steps)
   with open(args.out, "w") as f:
     json.dump(dict(machine=dict(cpus=os.cpu_count(), matmul_gflops=rate,
                                 backend=jax.default_backend()),
@@ -145,4 +147,4 @@ def main():
 
 if __name__ == "__main__":
   np.set_printoptions(precision=3)
-  main()
+  cli.run_script(main)

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from benchmarks import kda_speed
+from experiments import cli
 from linear_attention import testing
 
 PACKAGE = "linear_attention"
@@ -92,13 +93,14 @@ def main():
   parser.add_argument("--commits", required=True,
                       help="comma-separated commits (HEAD, hashes, tags)")
   parser.add_argument("--shape", default="1x4096x4x64", help="BxTxHxK")
-  parser.add_argument("--repeats", type=int, default=21)
+  parser.add_argument("--repeats", type=cli.positive_int, default=21)
   parser.add_argument("--warm_calls", type=int, default=1,
                       help="untimed calls before each timed one (back to"
                       " back, as a training loop runs; see kda_speed)")
   parser.add_argument("--spinners", type=int, default=0,
                       help="processes kept spinning while the rounds run")
-  parser.add_argument("--out", default="benchmarks/results/kda_commits_cpu.json")
+  parser.add_argument("--out", default="benchmarks/results/kda_commits_cpu.json",
+                      type=cli.output_path)
   a = parser.parse_args()
   b, t, h, d = (int(x) for x in a.shape.split("x"))
   args = kda_speed.make_inputs(b, t, h, d)
@@ -145,4 +147,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

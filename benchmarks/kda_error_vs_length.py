@@ -52,14 +52,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from linear_attention import ops
 from linear_attention import testing
 
 _LENGTHS = flags.DEFINE_list(
     "lengths", ["64", "256", "1024", "4096", "16384", "65536"],
     "sequence lengths T")
-_HEADS = flags.DEFINE_integer("heads", 2, "H")
-_DIM = flags.DEFINE_integer("dim", 64, "K = V")
+_HEADS = flags.DEFINE_integer("heads", 2, "H", lower_bound=1)
+_DIM = flags.DEFINE_integer("dim", 64, "K = V", lower_bound=1)
 _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0,
                                   "lower bound of the fused gate")
 _SEED = flags.DEFINE_integer("seed", 0, "NumPy seed (with T)")
@@ -68,7 +69,8 @@ _CASES = flags.DEFINE_list(
     "what is measured against the float64 oracle")
 _ORACLE_SEGMENT = flags.DEFINE_integer(
     "oracle_segment", 4096,
-    "tokens per checkpointed reference call (oracle and reference_f32)")
+    "tokens per checkpointed reference call (oracle and reference_f32)",
+    lower_bound=1)
 _OUT = flags.DEFINE_string(
     "out", "benchmarks/results/kda_error_vs_length",
     "output path without extension (.json, .md, .png)")
@@ -292,8 +294,16 @@ def git_commit():
 
 def main(argv):
   del argv
-  lengths = [int(t) for t in _LENGTHS.value]
+  try:
+    lengths = [int(t) for t in _LENGTHS.value]
+  except ValueError:
+    lengths = []
+  if not lengths or min(lengths) < 1:
+    raise app.UsageError(f"--lengths must be ints >= 1; got"
+                         f" {','.join(_LENGTHS.value)!r}.")
   cases = list(_CASES.value)
+  if not cases:
+    raise app.UsageError(f"--cases is empty; known: {list(CASES)}")
   unknown = sorted(set(cases) - set(CASES))
   if unknown:
     raise app.UsageError(f"unknown --cases {unknown}; known: {list(CASES)}")
@@ -339,4 +349,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

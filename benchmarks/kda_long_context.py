@@ -39,6 +39,7 @@ import statistics
 import jax
 
 from benchmarks import kda_speed
+from experiments import cli
 
 LENGTHS = (1024, 4096, 16384, 65536)
 SHAPE = dict(b=1, h=4, d=64)
@@ -257,8 +258,9 @@ def write_outputs(result, base):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+  parser.add_argument("--repeats", type=cli.positive_int, default=5)
+  parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                      type=cli.positive_ints)
   parser.add_argument("--train_lengths",
                       default=",".join(map(str, TRAIN_LENGTHS)),
                       help="'' skips the training-step crossover")
@@ -267,7 +269,8 @@ def main():
                       help="untimed calls of the same implementation before"
                       " each timed one (`kda_speed.time_rounds`)")
   parser.add_argument("--out",
-                      default="benchmarks/results/kda_long_context_cpu.json")
+                      default="benchmarks/results/kda_long_context_cpu.json",
+                      type=cli.output_path)
   parser.add_argument("--render", action="store_true",
                       help="only rewrite the .md and .png from --out's JSON")
   a = parser.parse_args()
@@ -278,7 +281,7 @@ def main():
     with open(a.out, "w") as f:  # the summary, recomputed
       json.dump(result, f, indent=1)
     return
-  lengths = [int(x) for x in a.lengths.split(",")]
+  lengths = a.lengths
   train_lengths = [int(x) for x in a.train_lengths.split(",") if x]
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   result = dict(machine=dict(platform=platform.platform(),
@@ -304,4 +307,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from linear_attention import ops
 from linear_attention import testing
 
@@ -334,7 +335,7 @@ def markdown(rows, mm_rate):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--repeats", type=cli.positive_int, default=7)
   parser.add_argument("--shapes", default="all",
                       help="'all', e.g. '1x4096x4x64,1x1024x4x64', or names"
                       f" of peers' shapes: {', '.join(NAMED_SHAPES)}")
@@ -351,7 +352,8 @@ def main():
                       help="untimed calls of the same implementation before"
                       " each timed one (back to back, as in a training"
                       " loop); 0 times each call between the others'")
-  parser.add_argument("--out", default="benchmarks/results/kda_speed_cpu.json")
+  parser.add_argument("--out", default="benchmarks/results/kda_speed_cpu.json",
+                      type=cli.output_path)
   parser.add_argument("--train_step", default="mqar",
                       help="config whose training step is timed per backend"
                       " ('mqar', 'delayed_copy' or 'none')")
@@ -364,6 +366,23 @@ def main():
     if "ours_chunked" not in impls:
       parser.error("--impls must include ours_chunked (the outputs are"
                    " checked against it)")
+  plan = []  # (dims, keywords) per shape, read before any work starts
+  for shape in shapes:
+    if isinstance(shape, str) and shape in NAMED_SHAPES:
+      dims, dtype, segments = NAMED_SHAPES[shape]
+      plan.append((dims, dict(dtype=dtype, segments=segments,
+                              shape_name=shape)))
+    elif isinstance(shape, tuple):
+      plan.append((shape, {}))
+    else:
+      try:
+        dims = tuple(cli.positive_int(x) for x in shape.split("x"))
+      except argparse.ArgumentTypeError:
+        dims = ()
+      if len(dims) != 4:
+        parser.error(f"--shapes: {shape!r} is neither BxTxHxK (positive"
+                     f" ints) nor one of {', '.join(NAMED_SHAPES)}")
+      plan.append((dims, {}))
   mm_rate = matmul_gflops()
   rows, train_rows = [], []
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
@@ -382,14 +401,7 @@ def main():
     train_rows = bench_train_step(a.repeats, a.train_step, a.warm_calls)
     print(markdown_train(train_rows), flush=True)
     save()
-  for shape in shapes:
-    if isinstance(shape, str) and shape in NAMED_SHAPES:
-      dims, dtype, segments = NAMED_SHAPES[shape]
-      kw = dict(dtype=dtype, segments=segments, shape_name=shape)
-    else:
-      dims = shape if isinstance(shape, tuple) else tuple(
-          int(x) for x in shape.split("x"))
-      kw = {}
+  for dims, kw in plan:
     rows += bench_shape(dims, a.repeats, impls=impls,
                         modes=tuple(a.modes.split(",")),
                         max_temp_gib=a.max_temp_gib,
@@ -399,4 +411,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

@@ -52,6 +52,7 @@ import numpy as np
 
 from benchmarks import kda_error_vs_length
 from benchmarks import kda_speed
+from experiments import cli
 from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda.chunked import grouped
@@ -259,7 +260,7 @@ def markdown(rows):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--repeats", type=cli.positive_int, default=10)
   parser.add_argument("--shapes", default=",".join(SHAPES),
                       help=f"comma-separated, of: {', '.join(SHAPES)}")
   parser.add_argument("--variants", default="1x4096x4x64,"
@@ -271,7 +272,8 @@ def main():
   parser.add_argument("--train_step", default="mqar",
                       help="config whose training step is timed per KDA"
                       " backend ('mqar', 'delayed_copy' or 'none')")
-  parser.add_argument("--out", default="benchmarks/results/kda_speed_gpu.json")
+  parser.add_argument("--out", default="benchmarks/results/kda_speed_gpu.json",
+                      type=cli.output_path)
   a = parser.parse_args()
   # Before jax starts its GPU client: jax takes its memory as it needs it
   # (not 75% up front) and hands freed blocks back, so that torch's kernels
@@ -309,4 +311,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

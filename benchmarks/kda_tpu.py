@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kda_speed
+from experiments import cli
 from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda import gates
@@ -439,9 +440,10 @@ def main():
   parser.add_argument("--phase", required=True,
                       choices=("accuracy", "precision", "table", "mosaic",
                                "kernel"))
-  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--repeats", type=cli.positive_int, default=7)
   parser.add_argument("--smoke", action="store_true")
-  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--out", default="benchmarks/results",
+                      type=cli.output_folder)
   a = parser.parse_args()
   os.makedirs(a.out, exist_ok=True)
   path = os.path.join(a.out, f"kda_tpu_{a.phase}.json")
@@ -474,4 +476,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

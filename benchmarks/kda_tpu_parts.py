@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kda_tpu
+from experiments import cli
 from linear_attention.ops import backends
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu as pt
@@ -286,16 +287,22 @@ def time_ms(fn, args, repeats):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="kda_tpu_parts")
-  p.add_argument("--shape", default="1,8192,32,128", help="B,T,H,K (K = V)")
+  p.add_argument("--out", default="kda_tpu_parts", type=cli.output_folder)
+  p.add_argument("--shape", default="1,8192,32,128", help="B,T,H,K (K = V)",
+                 type=cli.positive_ints)
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-  p.add_argument("--heads_per_block", type=int, default=4)
+  p.add_argument("--heads_per_block", type=cli.positive_int, default=4)
   p.add_argument("--variants", default=",".join(VARIANTS))
-  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--repeats", type=cli.positive_int, default=5)
   p.add_argument("--accuracy", action="store_true",
                  help="also both kernels against the float64 recurrence")
   a = p.parse_args()
-  shape = tuple(int(x) for x in a.shape.split(","))
+  shape = tuple(a.shape)
+  if len(shape) != 4:
+    p.error(f"--shape: four integers B,T,H,K; got {a.shape}")
+  unknown = [n for n in a.variants.split(",") if n not in VARIANTS]
+  if unknown:
+    p.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
   args = kda_tpu._prepared(*shape, dtype=a.dtype)
   os.makedirs(a.out, exist_ok=True)
   rows = []
@@ -303,8 +310,6 @@ def main():
     rows.append(dict(variant="accuracy", rows=accuracy()))
     print(rows[-1], flush=True)
   for name in a.variants.split(","):
-    if name not in VARIANTS:
-      raise SystemExit(f"--variants: unknown {name!r}; allowed: {', '.join(VARIANTS)}")
     parts = VARIANTS[name]
     if parts is None:
       fn = full_fn(a.heads_per_block)
@@ -328,4 +333,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

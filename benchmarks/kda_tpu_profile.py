@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from benchmarks import kda_speed
 from benchmarks import kda_tpu
+from experiments import cli
 from linear_attention.ops.kda import gates
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu
@@ -246,15 +247,16 @@ def markdown(results, top):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default="kda_tpu_profile")
-  p.add_argument("--shape", default="1,8192,32,128", help="B,T,H,K (K = V)")
+  p.add_argument("--out", default="kda_tpu_profile", type=cli.output_folder)
+  p.add_argument("--shape", default="1,8192,32,128", help="B,T,H,K (K = V)",
+                 type=cli.positive_ints)
   p.add_argument("--dtype", default="bfloat16",
                  choices=("bfloat16", "float32"))
   p.add_argument("--impls", default=",".join(IMPLS))
   p.add_argument("--passes", default=",".join(PASSES))
-  p.add_argument("--calls", type=int, default=3,
+  p.add_argument("--calls", type=cli.positive_int, default=3,
                  help="calls recorded (with --summarize: in the trace read)")
-  p.add_argument("--top", type=int, default=15)
+  p.add_argument("--top", type=cli.positive_int, default=15)
   p.add_argument("--summarize", default=None,
                  help="a *.trace.json.gz to read instead of profiling")
   a = p.parse_args()
@@ -263,11 +265,14 @@ def main():
     print(json.dumps({k: v for k, v in s.items() if k != "ops"}, indent=1))
     print(markdown({a.summarize: dict(s, wall_ms_per_call=[0.0])}, a.top))
     return
-  if a.calls < 1:
-    raise SystemExit("--calls: must be >= 1")
-  shape = tuple(int(x) for x in a.shape.split(","))
+  shape = tuple(a.shape)
   if len(shape) != 4:
-    raise SystemExit("--shape: four integers B,T,H,K")
+    p.error(f"--shape: four integers B,T,H,K; got {a.shape}")
+  for flag, given, known in (("--impls", a.impls, IMPLS),
+                             ("--passes", a.passes, PASSES)):
+    unknown = [n for n in given.split(",") if n not in known]
+    if unknown:
+      p.error(f"{flag}: unknown {unknown}; allowed: {', '.join(known)}")
   os.makedirs(a.out, exist_ok=True)
   args = kda_tpu.inputs(*shape, dtype=a.dtype)
   results = {}
@@ -288,4 +293,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

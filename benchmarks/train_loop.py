@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from configs import common as config_lib
 from configs.sweeps import kimi_synthetic
+from experiments import cli
 from experiments import sweep_lib
 from experiments import train
 
@@ -77,11 +78,11 @@ def _async_loop(prog, params, opt, batch_fn, steps, log_every):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--log_every", type=int, default=10)
+  parser.add_argument("--steps", type=cli.positive_int, default=20)
+  parser.add_argument("--rounds", type=cli.positive_int, default=3)
+  parser.add_argument("--log_every", type=cli.positive_int, default=10)
   parser.add_argument("--mixers", default="kda,attention,none")
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--out", default=None, type=cli.output_path)
   args = parser.parse_args()
   rows = []
   for mixer in args.mixers.split(","):
@@ -128,4 +129,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_script(main)

@@ -33,6 +33,8 @@ EVAL_LENGTHS = (512, 1024, 2048, 4096)  # 2x .. 16x the training length
 # The first pass; a sweep extends the runs whose held-out bits per byte are
 # still falling (configs/sweeps/text.py).
 NUM_STEPS = 2000
+# Where the byte corpus is built once, outside every workdir ("~": home).
+CORPUS_CACHE_DIR = "~/.cache/linear_attention/text_corpus"
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -43,8 +45,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                      f" {arg!r}.")
   config = ml_collections.ConfigDict()
   config.seed = 0
+  # The corpus is built once into cache_dir and shared by every run (not
+  # under a run's workdir); experiments.tasks.text.CACHE_DIR.
   config.task = dict(name="text", seq_len=SEQ_LEN, source_dir="",
-                     cache_dir="workdirs/text_corpus", split="train")
+                     cache_dir=CORPUS_CACHE_DIR, split="train")
   config.model = config_lib.model_config(
       mixer="kda,kda,kda,attention", num_layers=4, d_model=128,
       mlp_hidden=384, num_heads=2, head_dim=64, conv_size=4)

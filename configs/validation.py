@@ -80,6 +80,12 @@ def validate_config(config: ml_collections.ConfigDict,
   Every field a config file sets (sections, seed, train, mesh, model) with
   its allowed range; the names the code defines come in `vocabulary`.
   """
+  if "task" not in config and {"base", "cells"} <= set(config):
+    raise ValueError(
+        "the config is a sweep config (a base config crossed with its"
+        " cells, configs/sweeps/), not one experiment: give it to the sweep"
+        " command, experiments.sweep, or give one experiment config"
+        " (configs/*.py).")
   for section in ("task", "model", "train"):
     check(section, section in config, "a section of the config", None)
   check("seed", is_int(config.seed) and config.seed >= 0, "an int >= 0",
@@ -96,8 +102,12 @@ def validate_config(config: ml_collections.ConfigDict,
           isinstance(tr[field], (int, float)) and tr[field] > 0
           and math.isfinite(tr[field]), "a positive number", tr[field])
   check("train.weight_decay",
-        isinstance(tr.weight_decay, (int, float)) and tr.weight_decay >= 0,
-        "a number >= 0", tr.weight_decay)
+        isinstance(tr.weight_decay, (int, float)) and tr.weight_decay >= 0
+        and math.isfinite(tr.weight_decay), "a finite number >= 0",
+        tr.weight_decay)
+  for field in ("b1", "b2"):  # Adam's moment decays
+    check(f"train.{field}", isinstance(tr[field], (int, float))
+          and 0 <= tr[field] < 1, "in [0, 1)", tr[field])
   check("train.final_lr_fraction",
         isinstance(tr.final_lr_fraction, (int, float))
         and 0 <= tr.final_lr_fraction <= 1, "in [0, 1]", tr.final_lr_fraction)

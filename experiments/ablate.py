@@ -11,7 +11,10 @@ with run_experiment.py). The workdir gets `results.md` (one row per run:
 mixer, learning rate, seed, best and final held-out accuracy, steps to 99%,
 chance, wall time, steps/s), `results.json` (the run summaries) and
 `accuracy.png` (held-out accuracy curves, one line per run). The table is
-printed at the end.
+printed at the end. Every run's config is checked before the first trains;
+a mistake (an unknown mixer, an empty or repeated list entry, a bad seed or
+rate) is one line on stderr and exit status 2 (experiments/cli.py;
+`--verbose` adds the traceback).
 """
 
 import json
@@ -23,6 +26,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from configs import common as config_lib
+from experiments import cli
 from experiments import compilation_cache
 from experiments import metrics as metrics_lib
 from experiments import model as model_lib
@@ -71,14 +75,27 @@ def results_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def run_ablation(config, workdir: str, mixers, seeds, learning_rates):
-  """Trains every (mixer, seed, lr); returns the summaries in order."""
+def _check_axis(name: str, values) -> None:
+  if not values:
+    raise ValueError(f"--{name} is empty: give at least one value.")
+  repeated = sorted({v for v in values if list(values).count(v) > 1})
+  if repeated:
+    raise ValueError(f"--{name} repeats {repeated}: give each value once.")
+
+
+def ablation_runs(config, workdir: str, mixers, seeds, learning_rates):
+  """[(mixer, run name, diff, config)] of every (mixer, seed, lr), each
+  config checked: ValueError naming the field or flag otherwise."""
   for m in mixers:
     if m not in model_lib.MIXERS:
       raise ValueError(f"--mixers: {m!r} is not one of"
                        f" {list(model_lib.MIXERS)}.")
-  os.makedirs(workdir, exist_ok=True)
-  summaries, curves = [], {}
+  for name, values in (("mixers", mixers), ("seeds", seeds),
+                       ("learning_rates", learning_rates)):
+    _check_axis(name, values)
+  train.validate_config(config)  # the base config, before any diff
+  train.check_folder(workdir)
+  runs = []
   for mixer in mixers:
     for seed in seeds:
       for lr in learning_rates:
@@ -86,15 +103,29 @@ def run_ablation(config, workdir: str, mixers, seeds, learning_rates):
                 "train.learning_rate": lr}
         cfg = config_lib.apply_diff(config, diff)
         name = run_name(mixer, seed, lr)
-        logging.info("Ablation run %s: %s", name, diff)
-        run_dir = os.path.join(workdir, name)
-        summary = train.train_and_evaluate(cfg, run_dir)
-        summaries.append(summary)
-        evals = [r for r in metrics_lib.read_records(
-            os.path.join(run_dir, "metrics.jsonl")) if r["split"] == "eval"]
-        label = mixer if len(seeds) * len(learning_rates) == 1 else name
-        curves[label] = ([r["step"] for r in evals],
-                         [r["accuracy"] for r in evals])
+        train.check_run(cfg, os.path.join(workdir, name))
+        runs.append((mixer, name, diff, cfg))
+  return runs
+
+
+def run_ablation(config, workdir: str, mixers, seeds, learning_rates):
+  """Trains every (mixer, seed, lr); returns the summaries in order.
+
+  Every run's config is checked (`ablation_runs`) before the first trains.
+  """
+  runs = ablation_runs(config, workdir, mixers, seeds, learning_rates)
+  os.makedirs(workdir, exist_ok=True)
+  summaries, curves = [], {}
+  for mixer, name, diff, cfg in runs:
+    logging.info("Ablation run %s: %s", name, diff)
+    run_dir = os.path.join(workdir, name)
+    summary = train.train_and_evaluate(cfg, run_dir)
+    summaries.append(summary)
+    evals = [r for r in metrics_lib.read_records(
+        os.path.join(run_dir, "metrics.jsonl")) if r["split"] == "eval"]
+    label = mixer if len(seeds) * len(learning_rates) == 1 else name
+    curves[label] = ([r["step"] for r in evals],
+                     [r["accuracy"] for r in evals])
   task = summaries[0]["task"]
   table = results_table(summaries)
   metrics_lib.write_atomic(os.path.join(workdir, "results.md"),
@@ -107,21 +138,33 @@ def run_ablation(config, workdir: str, mixers, seeds, learning_rates):
   return summaries, table
 
 
+def _numbers(flag, kind, default):
+  """The values of a list flag as `kind`s; [default] when it is not given."""
+  if flag.value is None:
+    return [default]
+  try:
+    return [kind(x) for x in flag.value]
+  except ValueError:
+    raise app.UsageError(
+        f"--{flag.name}={','.join(flag.value)}: every entry must be"
+        f" {'an int' if kind is int else 'a number'}.") from None
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv  # no positional arguments (cli.run)
   config = _CONFIG.value
   if config is None or not _WORKDIR.value:
     raise app.UsageError("--config and --workdir are required.")
+  seeds = _numbers(_SEEDS, int, config.get("seed"))
+  lrs = _numbers(_LEARNING_RATES, float,
+                 config.get("train", {}).get("learning_rate"))
+  ablation_runs(config, _WORKDIR.value, _MIXERS.value, seeds, lrs)  # checks
   compilation_cache.enable(_COMPILATION_CACHE_DIR.value)
   train.quiet_orbax_logs()
-  seeds = [int(s) for s in _SEEDS.value] if _SEEDS.value else [config.seed]
-  lrs = ([float(x) for x in _LEARNING_RATES.value] if _LEARNING_RATES.value
-         else [config.train.learning_rate])
   _, table = run_ablation(config, _WORKDIR.value, _MIXERS.value, seeds, lrs)
   print(table)  # the CLI's one output: the final table
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  cli.run(main)

@@ -11,8 +11,10 @@ with `jax.export.export(..., platforms=["tpu"])` on abstract inputs
 (`jax.eval_shape` of the parameters and optimiser state, `ShapeDtypeStruct`s
 of the batch): nothing is trained, nothing is compiled, no TPU is needed.
 It prints the number of Mosaic kernels (`tpu_custom_call`s) in the module,
-their names, the number per KDA layer and the serialized size, and exits
-non-zero (1; 2 for a bad flag) naming the problem when:
+their names, the number per KDA layer and the serialized size. A mistake in
+the command (a missing config file, an unknown field, a value out of range,
+an unknown chip) exits 2 with one line on stderr (experiments/cli.py;
+`--verbose` adds the traceback); it exits 1 naming the problem when:
 
 * the lowering fails (the exception, with a hint for the known causes);
 * the model uses KDA but its backend does not resolve to "tokamax"
@@ -92,6 +94,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ml_collections import config_flags
 
 from configs import common as config_lib
+from experiments import cli
 from experiments import model as model_lib
 from experiments import program as program_lib
 from experiments import tasks as tasks_lib
@@ -431,6 +434,7 @@ def parse_flags(argv: list[str]):
       "TPU to lower for: v6e, v5p, 7x, ... (any pltpu.ChipVersion).",
       flag_values=fv)
   rest = fv(list(argv))
+  cli.check_config_flags(fv)
   if len(rest) > 1:
     raise app.UsageError(f"Unexpected arguments: {rest[1:]}")
   if config.value is None:
@@ -439,21 +443,17 @@ def parse_flags(argv: list[str]):
 
 
 def main(argv: list[str]) -> int:
-  """Parses `argv`, exports, prints; returns the exit status (0: OK)."""
+  """Parses `argv`, exports, prints; returns the exit status (0: OK; 2: a
+  mistake in the command, one line on stderr, experiments/cli.py)."""
   err = lambda msg: print(f"export_tpu: error: {msg}", file=sys.stderr)
   try:
     config, chip = parse_flags(argv)
-  except (app.UsageError, flags.Error, ValueError) as e:
-    err(e)
-    return 2
-  except (AttributeError, KeyError) as e:  # an override of no field
-    err(f"--config override of a field the config does not have: {e}")
-    return 2
-  try:
     mosaic.chip_version(chip)
-  except ValueError as e:
-    err(e)
-    return 2
+    program_lib.validate_config(config)
+  except Exception as e:  # pylint: disable=broad-except
+    if not (cli.is_parse_mistake(e) or cli.is_mistake(e)):
+      raise
+    return cli.report(e, argv)
   try:
     report = export_train_step(config, chip)
   except (ExportError, ValueError) as e:  # ValueError: a bad backend name
@@ -487,4 +487,4 @@ def _absl_flags_only(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_absl_flags_only)
+  cli.run(main, flags_parser=_absl_flags_only)

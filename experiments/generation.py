@@ -107,13 +107,13 @@ def continue_text(workdir: str, prompt: str, *, max_new_tokens: int,
   check_sampling(temperature, top_k)
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}.")
+  tokens = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32)
+  if not len(tokens):
+    raise ValueError("--prompt must hold at least one byte.")
   config, model, params, _ = load_run(workdir)
   if config.task.name != "text":
     raise ValueError(f"the run in {workdir!r} trained on task"
                      f" {config.task.name!r}; generation takes a 'text' run.")
-  tokens = np.frombuffer(prompt.encode("utf-8"), np.uint8).astype(np.int32)
-  if not len(tokens):
-    raise ValueError("--prompt must hold at least one byte.")
   cache = model_lib.init_cache(config.model, 1,
                                max_len=len(tokens) + max_new_tokens)
   with model_lib.host_context(config.model):

@@ -91,6 +91,20 @@ class MetricsLog:
       self.tb.close()
 
 
+def check_folder(path: str, name: str = "workdir") -> None:
+  """Raises ValueError if `path` is a file or would be under one (the
+  nearest existing folder above it is a file); outputs go under `path`,
+  created when missing."""
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    where = "is" if existing == os.path.abspath(path) else (
+        f"would be under {existing}, which is")
+    raise ValueError(f"{name} {path} {where} a file, not a folder; give a"
+                     " folder (it is created when missing).")
+
+
 def write_atomic(path: str, text: str) -> None:
   """Writes `path` whole or not at all (temporary file, then os.replace).
 

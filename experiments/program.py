@@ -41,8 +41,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first bad field of `config`.
 
   The field checks (`configs.validation`), then what needs the code: each
-  layer's mixer checks its own section, and a context mesh needs mixers
-  that run with T split over it (NotImplementedError otherwise).
+  layer's mixer checks its own section, a context mesh needs mixers that
+  run with T split over it (NotImplementedError otherwise), and the task is
+  built (its own checks), so a run refuses a bad config before it writes
+  anything.
   """
   config_checks.validate_config(config, config_checks.Vocabulary(
       mixers=registry.names(), status_rules=metrics_lib.STATUS_RULES,
@@ -51,6 +53,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   model_lib.validate_mixer_sections(config.model)
   if config.mesh.context > 1:
     _check_context_parallel(config.model)
+  tasks_lib.make_task(**config.task.to_dict())  # the task's own checks
 
 
 def with_canonical_names(config: ml_collections.ConfigDict

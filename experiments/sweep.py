@@ -28,7 +28,9 @@ and writes recall_vs_lag.json and recall_vs_lag_<task>.png
 (experiments/recall.py); a run already profiled there at its final step
 keeps its profile, so only new runs need their checkpoints.
 Flags are read here and nowhere else; see experiments/sweep_lib.py for the
-layout.
+layout. A mistake (not a sweep config, a selection that matches no run,
+flags that do not go together, a step count < 1) is one line on stderr and
+exit status 2 (experiments/cli.py; `--verbose` adds the traceback).
 """
 
 import os
@@ -38,6 +40,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import cli
 from experiments import recall
 from experiments import sweep_lib
 from experiments import sweep_report
@@ -54,11 +57,12 @@ _AGGREGATE_ONLY = flags.DEFINE_bool(
     " finished runs.")
 _EXTEND_TO = flags.DEFINE_integer(
     "extend_to", None, "Raise the step cap of the selected runs to this;"
-    " unsolved finished runs continue (constant or wsd schedules).")
+    " unsolved finished runs continue (constant or wsd schedules).",
+    lower_bound=1)
 _EXTEND_STEP = flags.DEFINE_integer(
     "extend_step", None, "With --extend_to: only the runs still rising at"
     " their cap continue, this many steps at a time, until each is solved,"
-    " plateaued or at --extend_to.")
+    " plateaued or at --extend_to.", lower_bound=1)
 _DEPTH_FIRST = flags.DEFINE_bool(
     "depth_first", False, "With --extend_step: take each run to its end"
     " before the next starts (the default: every first pass, then rounds of"
@@ -69,7 +73,8 @@ _RECALL = flags.DEFINE_bool(
     " against lag (recall_vs_lag.json, recall_vs_lag_<task>.png).")
 _RECALL_BATCHES = flags.DEFINE_integer(
     "recall_batches", None, "Held-out batches per run for --recall (default:"
-    " the run's train.eval_batches, the set behind its reported accuracy).")
+    " the run's train.eval_batches, the set behind its reported accuracy).",
+    lower_bound=1)
 
 
 def _code_version() -> str:
@@ -87,28 +92,51 @@ def _code_version() -> str:
   return commit + ("+dirty" if dirty else "")
 
 
+def _check_flags() -> None:
+  """app.UsageError for flags that do not go together."""
+  modes = [f"--{f.name}" for f in (_LIST, _RECALL, _AGGREGATE_ONLY)
+           if f.value]
+  if len(modes) > 1:
+    raise app.UsageError(f"{' and '.join(modes)} do not go together: give"
+                         " one.")
+  if modes:  # nothing trains: the training flags would be ignored
+    unused = {"--list": (_EXTEND_STEP, _DEPTH_FIRST),
+              "--recall": (_EXTEND_TO, _EXTEND_STEP, _DEPTH_FIRST),
+              "--aggregate_only": (_EXTEND_TO, _EXTEND_STEP, _DEPTH_FIRST,
+                                   _ONLY)}[modes[0]]
+    given = [f"--{f.name}" for f in unused if f.value not in (None, False)]
+    if given:
+      raise app.UsageError(f"{', '.join(given)} would be ignored with"
+                           f" {modes[0]}: leave it out.")
+  if _RECALL_BATCHES.value is not None and not _RECALL.value:
+    raise app.UsageError("--recall_batches goes with --recall.")
+  if _ONLY.value == "":
+    raise app.UsageError("--only is empty: give part of a run name (a cell"
+                         " mqar_T512/, a mixer /gdn_), or leave it out for"
+                         " every run.")
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv  # no positional arguments (cli.run)
   sweep, workdir = _CONFIG.value, _WORKDIR.value
   if sweep is None or not workdir:
     raise app.UsageError("--config and --workdir are required.")
+  _check_flags()
+  train.check_folder(workdir, "--workdir")
   if _LIST.value:
-    runs = sweep_lib.expand(sweep)
+    runs = sweep_lib.select(sweep_lib.expand(sweep), _ONLY.value)
     if _EXTEND_TO.value is not None:
       runs = sweep_lib.extend(runs, _EXTEND_TO.value)
     for run in runs:
-      if _ONLY.value is None or _ONLY.value in run.name:
-        run_dir = os.path.join(workdir, run.name)
-        done = sweep_lib.is_done(run_dir, run.config)
-        where = sweep_lib.progress(run_dir)
-        print(f"{'done' if done else 'todo'}  {run.name}"
-              + (f"  {where}" if where else ""))
+      run_dir = os.path.join(workdir, run.name)
+      done = sweep_lib.is_done(run_dir, run.config)
+      where = sweep_lib.progress(run_dir)
+      print(f"{'done' if done else 'todo'}  {run.name}"
+            + (f"  {where}" if where else ""))
     return
   train.quiet_orbax_logs()
   if _RECALL.value:
-    runs = [r for r in sweep_lib.expand(sweep)
-            if _ONLY.value is None or _ONLY.value in r.name]
+    runs = sweep_lib.select(sweep_lib.expand(sweep), _ONLY.value)
     sweep_lib.check_workdir(runs, workdir)
     out = recall.sweep_recall_profiles(
         sweep, workdir, runs, eval_batches=_RECALL_BATCHES.value,
@@ -130,4 +158,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  cli.run(main)

@@ -109,7 +109,12 @@ def validate_sweep(sweep) -> None:
   """Raises ValueError naming the first bad field of a sweep config."""
   for field in ("base", "cells", "mixers", "seeds"):
     if field not in sweep:
-      raise ValueError(f"the sweep config needs a field {field!r}.")
+      raise ValueError(
+          f"the config is not a sweep config (it has no field {field!r}): a"
+          " sweep config holds an experiment config as `base`, the `cells`"
+          " (task, length, steps) and the `mixers` and `seeds` crossed with"
+          " them; the sweeps are configs/sweeps/*.py, and one experiment"
+          " config runs with run_experiment.py.")
   for field in ("cells", "mixers", "seeds"):
     if not sweep[field]:
       raise ValueError(f"sweep.{field} must be non-empty.")
@@ -176,6 +181,21 @@ def expand(sweep) -> list[Run]:
   return runs
 
 
+def select(runs: Sequence[Run], only: str | None) -> list[Run]:
+  """The runs whose name contains `only` (every run for None); ValueError
+  when none does, naming a few of the runs there are."""
+  if only is None:
+    return list(runs)
+  chosen = [r for r in runs if only in r.name]
+  if not chosen:
+    cells = sorted({r.name.split("/")[0] + "/" for r in runs})
+    raise ValueError(
+        f"no run of the sweep matches {only!r}: run names are"
+        f" <task>_T<length>/<mixer>_seed<s>_lr<rate>, here in the cells"
+        f" {', '.join(cells[:6])}{' ...' if len(cells) > 6 else ''}.")
+  return chosen
+
+
 def is_done(run_dir: str, config=None) -> bool:
   """Diverged, or finished (for `config`: reached its stop_at_accuracy or
   trained its num_steps; a run extended past them is done too)."""
@@ -238,8 +258,11 @@ def check_extendable(runs: Sequence[Run]) -> None:
   for run in runs:
     if run.config.train.schedule not in train.EXTENDABLE_SCHEDULES:
       raise ValueError(
-          f"extend_to needs train.schedule in {train.EXTENDABLE_SCHEDULES};"
-          f" {run.name} has {run.config.train.schedule!r}.")
+          f"extend_to needs train.schedule in {train.EXTENDABLE_SCHEDULES}"
+          f" (only those extend: a {run.config.train.schedule!r} rate at"
+          f" every step depends on train.num_steps); {run.name} has"
+          f" {run.config.train.schedule!r}: train longer runs of it in a new"
+          " workdir instead.")
 
 
 def extend_rising(runs: Sequence[Run], workdir: str, step: int,
@@ -365,9 +388,7 @@ def run_sweep(sweep, workdir: str, *, only: str | None = None,
   commit of the code), each run it trains records it in its commits.txt.
   Returns the runs this process trained.
   """
-  runs = [r for r in expand(sweep) if only is None or only in r.name]
-  if not runs:
-    raise ValueError(f"no run of the sweep matches {only!r}.")
+  runs = select(expand(sweep), only)
   if extend_step is not None:
     if extend_to is None:
       raise ValueError("extend_step needs extend_to (the most steps a run"

@@ -73,6 +73,7 @@ from experiments import tasks as tasks_lib
 # The names the CLIs and tests use, from the modules that define them.
 build_program = program_lib.build_program
 quiet_orbax_logs = checkpoints.quiet_orbax_logs
+check_folder = metrics_lib.check_folder
 validate_config = program_lib.validate_config
 
 
@@ -220,9 +221,11 @@ def _resume_step(workdir: str, ckpt, tr, stored) -> int:
 
 # Fields that may change between a run and its resumption: where and how it
 # runs, not what it computes (the backends are the same op; the mesh splits
-# the same batch), and how often it logs or saves.
+# the same batch; the text corpus is the same wherever its cache is, which
+# corpus.json checks), and how often it logs or saves.
 RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
-                    "train.log_every", "train.checkpoint_every")
+                    "task.cache_dir", "train.log_every",
+                    "train.checkpoint_every")
 
 
 # Fields added to the configs after runs were written without them, with the
@@ -289,10 +292,15 @@ def check_resumable(workdir: str, config: ml_collections.ConfigDict) -> None:
   """
   diff = config_differences(workdir, config)
   if diff:
+    # num_steps differs only where the schedule does not extend.
+    extended = any(line.startswith("train.num_steps:") for line in diff)
+    hint = (f" (a run is extended by raising train.num_steps only under a"
+            f" train.schedule in {EXTENDABLE_SCHEDULES}; this one is"
+            f" {config.train.schedule!r})" if extended else "")
     raise ValueError(
         f"workdir {workdir} holds a run of a different config ("
-        + "; ".join(diff) + "): use a new workdir, or remove that run to"
-        " retrain it.")
+        + "; ".join(diff) + f"){hint}: use a new workdir, or remove that run"
+        " to retrain it.")
 
 
 class Prefetch:
@@ -483,6 +491,20 @@ def _train_loop(config, prog, ckpt, log, eval_batches, params, opt_state,
   return params, last
 
 
+def check_run(config: ml_collections.ConfigDict, workdir: str
+              ) -> ml_collections.ConfigDict:
+  """What `train_and_evaluate` checks before it runs or writes anything:
+  ValueError naming the first bad field of `config`, a workdir that is a
+  file, or one that holds a run of another config (`check_resumable`).
+  Returns the config with canonical backend names (what a run records and
+  compares with a saved run's)."""
+  program_lib.validate_config(config)
+  config = program_lib.with_canonical_names(config)  # e.g. "mosaic"
+  check_folder(workdir)
+  check_resumable(workdir, config)
+  return config
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        stop_at_step: int | None = None) -> dict[str, Any]:
   """Trains, evaluates and checkpoints; returns the summary dict.
@@ -497,19 +519,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     The contents of summary.json (None values for an interrupted run's
     summary fields are not written; the dict is returned regardless).
   """
-  program_lib.validate_config(config)
-  config = program_lib.with_canonical_names(config)  # e.g. "mosaic"
+  config = check_run(config, workdir)
   with model_lib.host_context(config.model):  # e.g. Mosaic off TPU
     return _train_and_evaluate(config, workdir, stop_at_step)
 
 
 def _train_and_evaluate(config, workdir, stop_at_step):
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
   tr = config.train
+  # Built before the workdir is made: a config that cannot run here (a mesh
+  # of more devices than there are) leaves nothing behind.
   prog = program_lib.build_program(config)
+  os.makedirs(workdir, exist_ok=True)
   task = prog.task
-  check_resumable(workdir, config)
   check_corpus(workdir, task)
   stored = stored_config(workdir)
   # Every process has read the stored config before process 0 replaces it.

@@ -37,7 +37,8 @@ paths() {
       tests/experiments/test_distributed.py tests/experiments/test_mixers.py ;;
     experiments_b) echo tests/experiments/test_run.py \
       tests/experiments/test_run_lock.py tests/experiments/test_schedules.py \
-      tests/experiments/test_tasks.py tests/experiments/test_text.py ;;
+      tests/experiments/test_tasks.py tests/experiments/test_text.py \
+      tests/experiments/test_bad_input_cli.py ;;
     experiments_sweep) echo tests/experiments/test_sweep.py ;;
     *) return 1 ;;
   esac

@@ -18,10 +18,14 @@ their last bytes, scoring only the final ones (every evaluation length then
 scores the same bytes: `train.eval_score_last`).
 
 The corpus is built once into `cache_dir` (one memory-mapped file of the
-bytes and one of the file boundaries per split, named by the corpus's
-SHA-256) and reused. `fingerprint()` (Python version, files, bytes,
-SHA-256) goes into each run's summary; a run refuses to resume on another
-corpus (`experiments.train`).
+bytes and one of the file boundaries per split, in a folder named by the
+corpus's SHA-256) and reused by every run on that corpus. By default that is
+`CACHE_DIR`, ~/.cache/linear_attention/text_corpus, beside JAX's
+compilation cache (`experiments.compilation_cache`): outside every run's
+workdir, since runs share it (about 31 MB for the standard library); a
+relative `cache_dir` is relative to the current folder. `fingerprint()`
+(Python version, files, bytes, SHA-256) goes into each run's summary; a run
+refuses to resume on another corpus (`experiments.train`).
 """
 
 import dataclasses
@@ -37,6 +41,7 @@ import numpy as np
 from experiments.tasks import base
 
 VOCAB = 256
+CACHE_DIR = "~/.cache/linear_attention/text_corpus"  # task.cache_dir default
 HELD_OUT_MODULUS = 50  # held out: sha256(relative path) % 50 == 0
 
 
@@ -109,7 +114,9 @@ def _build(source_dir, files, root, key):
       raise ValueError(f"the corpus under {source_dir!r} has no {split}"
                        " file (too few files to split).")
     os.replace(tmp, os.path.join(root, f"{split}.bytes"))
-    np.save(os.path.join(root, f"{split}.ends.npy"), np.asarray(ends))
+    tmp = os.path.join(root, f"{split}.ends.tmp{os.getpid()}.npy")
+    np.save(tmp, np.asarray(ends))  # whole, or not there: runs share it
+    os.replace(tmp, os.path.join(root, f"{split}.ends.npy"))
     counts[split] = dict(files=len(ends), bytes=total)
   fingerprint = dict(
       python=sys.version.split()[0], files=len(files),
@@ -127,12 +134,15 @@ class Text:
 
   seq_len: int
   source_dir: str = ""  # "": this interpreter's standard library
-  cache_dir: str = "workdirs/text_corpus"
+  cache_dir: str = CACHE_DIR  # "~" is the user's home folder
   split: str = "train"  # or "held_out" (`held_out()`: the evaluation's)
   name: str = dataclasses.field(default="text", init=False)
 
   def __post_init__(self):
     base.check_positive_int("task.seq_len", self.seq_len, 2)
+    if not isinstance(self.cache_dir, str) or not self.cache_dir:
+      raise ValueError(f"task.cache_dir must be a folder path (default"
+                       f" {CACHE_DIR}); got {self.cache_dir!r}.")
     if self.split not in ("train", "held_out"):
       raise ValueError(f"task.split must be 'train' or 'held_out'; got"
                        f" {self.split!r}.")
@@ -151,7 +161,7 @@ class Text:
 
   def corpus(self) -> dict:
     return load_corpus(os.path.abspath(self.source_dir or stdlib_dir()),
-                       os.path.abspath(self.cache_dir))
+                       os.path.abspath(os.path.expanduser(self.cache_dir)))
 
   def fingerprint(self) -> dict:
     """What identifies the corpus: Python version, files, bytes, SHA-256."""

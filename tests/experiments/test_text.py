@@ -322,3 +322,34 @@ def test_bits_per_byte_compare_per_seed_with_their_spread():
   assert lines[-2] == ("| 256 | kda - gdn | 256 (equal steps) | 2000 / 3000"
                        " / 3000 | -0.030 / -0.050 / -0.030 | -0.037 |"
                        " 0.012 | lower in every seed |")
+
+
+def test_a_text_run_writes_only_under_its_workdir_and_the_caches(tmp_path):
+  # As a user runs it, from another folder: every file it writes is under
+  # --workdir or the documented caches, ~/.cache/linear_attention/ (the
+  # corpus, task.cache_dir's default, and the compilation cache).
+  assert text_config.get_config().task.cache_dir == text_lib.CACHE_DIR
+  source = _corpus(str(tmp_path / "src"))
+  home, cwd, workdir = (tmp_path / d for d in ("home", "cwd", "work"))
+  home.mkdir()
+  cwd.mkdir()
+  env = {**os.environ, "HOME": str(home), "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": REPO, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+  out = subprocess.run(
+      [sys.executable, os.path.join(REPO, "run_experiment.py"),
+       f"--config={REPO}/configs/text.py:smoke", f"--workdir={workdir}",
+       f"--config.task.source_dir={source}"],
+      cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert os.listdir(cwd) == []
+  assert os.listdir(home) == [".cache"]
+  assert os.listdir(home / ".cache") == ["linear_attention"]
+  caches = home / ".cache" / "linear_attention"
+  assert sorted(os.listdir(caches)) == ["jax_compilation_cache",
+                                        "text_corpus"]
+  (corpus,) = os.listdir(caches / "text_corpus")
+  with open(caches / "text_corpus" / corpus / "corpus.json") as f:
+    fingerprint = json.load(f)["fingerprint"]
+  with open(workdir / "summary.json") as f:
+    assert json.load(f)["corpus"] == fingerprint
+  assert corpus == fingerprint["sha256"][:16]
