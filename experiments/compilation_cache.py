@@ -17,11 +17,13 @@ import jax
 DEFAULT_DIR = "~/.cache/linear_attention/jax_compilation_cache"
 FLAG_HELP = ("Directory of JAX's persistent compilation cache (a later run"
              " of the same programs on this machine loads them instead of"
-             " compiling); '' turns it off.")
+             " compiling); '' leaves JAX's own setting (off unless the"
+             " environment's JAX_COMPILATION_CACHE_DIR names one).")
 
 
 def enable(directory: str) -> None:
-  """Caches every compiled program under `directory` ('' or None: off)."""
+  """Caches every compiled program under `directory` ('' or None: JAX's
+  own setting stays, off unless JAX_COMPILATION_CACHE_DIR names a folder)."""
   if not directory:
     return
   path = os.path.expanduser(directory)

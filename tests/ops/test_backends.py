@@ -52,6 +52,7 @@ def test_supports_target_is_the_backends_own_answer():
   assert kda_api.supports_target("tokamax", "TPU v6 lite") is None
   reason = kda_api.supports_target("mosaic", "TPU v5 lite")
   assert "v6+ only" in reason and "generation 5" in reason
+  assert "output 1.6e-3" in reason  # the v5e's measured reason
   assert kda_api.supports_target("chunked", "TPU v5 lite") is None
 
 
