@@ -40,7 +40,8 @@ def kda_config() -> ml_collections.ConfigDict:
       chunk_size=config_dict.placeholder(int),
       # Matmul precision of the op and the layer's projections: "auto"
       # (float32-exact for float32 activations, fast for bfloat16),
-      # "highest", "high" or "default" (jax.lax.Precision names).
+      # "highest", "high" or "default" (jax.lax.Precision names). In a
+      # model config, None follows model.precision.
       precision="auto",
   ))
   config.lock()

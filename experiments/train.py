@@ -236,7 +236,8 @@ ADDED_FIELDS = {"train.eval_lengths": (), "train.length_curriculum": (),
                 "train.schedule": "cosine", "train.decay_fraction": 0.2,
                 "model.attention.rope": True, "model.kda.chunk_size": None,
                 "train.eval_score_last": None,
-                "train.status_rule": "accuracy"}
+                "train.status_rule": "accuracy", "model.precision": "auto",
+                "model.attention.precision": None}
 
 # Schedules whose num_steps may change between a run and its resumption: a
 # constant rate does not depend on it, and a "wsd" run resumes from before
