@@ -30,8 +30,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=20 tests
 
 # On a TPU host (after `pip install -r requirements/lock-tpu.txt` and
-# `pip install --no-deps -e .`): the suite on the chip in one process, piece
-# by piece (tests/tpu.sh; PIECES=ops_kda runs one), compiled programs cached
+# `pip install --no-deps -e .`): the suite on the chip, one process a piece
+# (one process holds the chip; tests/tpu.sh; PIECES=ops_kda runs one), compiled programs cached
 # on disk; per-piece outcomes in tpu-tests-<piece>.xml.
 PIECES ?=
 test-tpu:

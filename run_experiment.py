@@ -2,7 +2,7 @@ r"""Trains one experiment config: the absl entry point.
 
   python run_experiment.py --config=configs/mqar.py --workdir=workdirs/mqar_kda
   python run_experiment.py --config=configs/mqar.py:smoke --workdir=/tmp/smoke \
-      --config.model.mixer=kda_zeroed --config.model.kda.backend=mosaic \
+      --config.model.mixer=kda_zeroed --config.model.kda.backend=tokamax \
       --config.seed=3
 
 Several processes (hosts of a TPU pod slice, or processes on one machine),
@@ -19,8 +19,9 @@ The mesh (config.mesh) must then span every device of every process.
 
 The config is locked: a misspelt override fails before anything runs.
 Rerunning with the same workdir resumes from the latest checkpoint. With
-`model.kda.backend=mosaic` on a machine whose default device is not a TPU,
-the run goes inside `experiments.interpret.interpret_mode()`.
+a KDA backend that needs a TPU (`model.kda.backend=tokamax`, alias
+`mosaic`, or `pallas`) on a machine whose default device is not a TPU, the
+run goes inside `experiments.interpret.interpret_mode()`.
 Flags are read here, in `main`, and nowhere else. A mistake in the command
 (a missing config file, an unknown or ill-typed field, a value out of range,
 a workdir that is a file) is one line on stderr and exit status 2, before

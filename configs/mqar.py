@@ -15,8 +15,8 @@ Ablation (kda vs kda_zeroed, prints the table):
       --mixers=kda,kda_zeroed --workdir=workdirs/mqar_ablation
 
 Why the learning rate, the 2-tap conv, the bound of -1 and head dim 32:
-one line each below; the probes behind them are in docs/experiments.md
-(MQAR).
+one line each below (the rate's seeds at 3e-3 and 1e-2:
+results/mqar_seeds/results.md).
 
 Variants: `configs/mqar.py:smoke` (T=64, 4 pairs, tiny model, a few steps:
 runs in seconds, for tests); `configs/mqar.py:tpu`, the same task and model

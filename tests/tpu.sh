@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The suite on a TPU host, in pieces that each run in under 10 minutes on one
-# TPU v5e chip (docs/tpu.md has the measured times):
+# The suite on a TPU host, in pieces meant to run in under 10 minutes each on
+# one TPU v5e chip (their times are recorded in docs/tpu.md once measured):
 #   tests/tpu.sh [PIECE ...]     (no PIECE: every piece in turn)
 #   tests/tpu.sh --list          (the test paths of all pieces)
 # One process holds the chip, so pytest runs without xdist. Compiled programs

@@ -12,8 +12,9 @@ for KDA, Gated DeltaNet (GDN) and softmax attention; here 3 seeds a cell and
   # at MAX_STEPS; a run without a checkpoint retrains from step 0 (one core
   # per worker: bit for bit the same steps):
   python -m experiments.sweep ... --extend_to=3000 --extend_step=500
-  # and where the budget allows, past MAX_STEPS (the three GDN Palindrome
-  # runs still rising at 3000 went on to their plateaus):
+  # and where the budget allows, past MAX_STEPS (three GDN Palindrome runs
+  # went on to 3500, 5000 and 3500 steps and are still rising at their cap:
+  # results/kimi_synthetic/results.md):
   python -m experiments.sweep ... --extend_to=5000 --extend_step=500
 
 Variants: `:calibration`, the learning-rate calibration (seed 0, the T=1024

@@ -186,7 +186,7 @@ class KimiDeltaAttention(hk.Module):
   conv_size: int = 4  # W taps of the short conv; 0 = no conv, SiLU only.
   lower_bound: float | None = None  # None: softplus gate; else in [-5, 0).
   # KDA core: a name of `linear_attention.ops.kda.api.BACKENDS`
-  # ("reference", "chunked", "tokamax", "auto"; "mosaic" = "tokamax").
+  # ("reference", "chunked", "tokamax", "pallas", "auto"; "mosaic" = "tokamax").
   backend: str = "chunked"
   # Mesh axis T is split over when called inside jax.shard_map (context
   # parallelism; passed to the short convs and the op), or None.

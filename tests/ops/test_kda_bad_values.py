@@ -112,3 +112,26 @@ def test_gradients_of_valid_rows_are_unchanged_by_a_bad_row():
     np.testing.assert_allclose(np.asarray(bad[name])[0],
                                np.asarray(good[name])[0], rtol=1e-6,
                                atol=1e-7)
+
+
+def test_context_parallel_bad_value_poisons_its_row_on_every_rank():
+  # beta = 1.5 on the second rank's shard of row 1, head 0: the row's output
+  # on both ranks and the replicated final state are NaN; the rest match.
+  from jax.sharding import PartitionSpec as P
+  from tests.parallel import common
+  args = inputs()
+  names = sorted(args)
+  seq = P(None, "context")
+
+  def sharded(a):
+    f = jax.shard_map(
+        lambda *xs: op(dict(zip(names, xs)), backend="chunked",
+                       context_axis="context"),
+        mesh=common.mesh(2), in_specs=tuple(seq for _ in names),
+        out_specs=(seq, P()))
+    return f(*[a[n] for n in names])
+
+  good = jax.jit(sharded)(args)
+  args["beta"] = args["beta"].at[1, T - 1, 0].set(1.5)
+  bad = jax.jit(sharded)(args)
+  _check_poisoned(*map(np.asarray, bad), *map(np.asarray, good), {(1, 0)})

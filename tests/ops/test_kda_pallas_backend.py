@@ -22,7 +22,7 @@ from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda import api
 from linear_attention.ops.kda import mosaic
-from tests.ops.test_kda import Case, GRAD_ARGS, make_inputs
+from tests.ops.test_kda import Case, GRAD_ARGS, loss_and_grads, make_inputs
 
 RTOL_F32 = 1e-5
 ON_TPU = jax.default_backend() == "tpu"
@@ -31,32 +31,6 @@ ON_TPU = jax.default_backend() == "tpu"
 def kernels():
   """The kernels compiled on a TPU, interpreted anywhere else."""
   return contextlib.nullcontext() if ON_TPU else mosaic.interpreted()
-
-
-def _loss_and_grads(args, kw, backend):
-  names = [n for n in GRAD_ARGS if n in args]
-
-  def run(*diff):
-    full = dict(args, **dict(zip(names, diff)))
-    return ops.kimi_delta_attention(
-        full["q"], full["k"], full["v"], full["g"], full["beta"],
-        a_log=full.get("a_log"), dt_bias=full.get("dt_bias"),
-        initial_state=full.get("initial_state"), output_final_state=True,
-        backend=backend, **kw)
-
-  rng = np.random.default_rng(1)
-  o, s = run(*[args[n] for n in names])
-  do = rng.normal(size=o.shape)
-  ds = rng.normal(size=s.shape)
-
-  def loss(*diff):
-    o, s = run(*diff)
-    return (jnp.sum(o.astype(s.dtype) * jnp.asarray(do, s.dtype))
-            + jnp.sum(s * jnp.asarray(ds, s.dtype)))
-
-  grads = jax.grad(loss, argnums=tuple(range(len(names))))(
-      *[args[n] for n in names])
-  return o, s, dict(zip(names, grads))
 
 
 def _float64(args):
@@ -73,9 +47,9 @@ def _float64(args):
 def test_matches_the_float64_reference(case):
   args, kw = make_inputs(case)
   with kernels():
-    o, s, grads = _loss_and_grads(args, kw, "pallas")
+    o, s, grads = loss_and_grads(args, kw, "pallas")
   with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-    o64, s64, grads64 = _loss_and_grads(_float64(args), kw, "reference")
+    o64, s64, grads64 = loss_and_grads(_float64(args), kw, "reference")
   testing.assert_close(o, o64, rtol=RTOL_F32, name="output")
   testing.assert_close(s, s64, rtol=RTOL_F32, name="final_state")
   for name in grads64:

@@ -295,6 +295,10 @@ def kimi_delta_attention(
                          use_gate_in_kernel=use_gate_in_kernel,
                          allow_neg_eigval=allow_neg_eigval,
                          max_num_segments=max_num_segments)
+  if bad is not None and context_axis is not None:
+    # A bad value on any rank spoils the whole row's recurrence (and the
+    # replicated final state): every rank poisons it alike.
+    bad = jax.lax.psum(bad.astype(jnp.int32), context_axis) > 0
   return _poison(resolve(backend, call).run(call), bad)
 
 

@@ -165,3 +165,13 @@ def lowering_mode(chip="v6e", mesh=None, *, num_cores=None):
       yield abstract
   finally:
     _state.mode = old_mode
+
+
+def off_tpu_reason(kernel: str, device_kind: str) -> str:
+  """What a backend that needs a TPU says on another device."""
+  return (f"it runs {kernel}, which needs a TPU; the default device is"
+          f" {device_kind}. On CPU, call it inside"
+          " `experiments.interpret.interpret_mode()` (Pallas interpret"
+          " mode), export it for a TPU inside"
+          " `linear_attention.ops.kda.mosaic.lowering_mode()`, or use"
+          " backend='chunked'.")

@@ -26,6 +26,7 @@ op's decode rule).
 
 from linear_attention.ops import backends
 from linear_attention.ops.kda import common
+from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import precision as precision_lib
 
@@ -41,12 +42,7 @@ def supports_target(target: backends.Target) -> str | None:
   """Why the kernels cannot run on `target`, or None."""
   if target.off_tpu_mode == "interpret" or target.platform == "tpu":
     return None
-  return ("it runs our Pallas TPU kernel, which needs a TPU; the default"
-          f" device is {target.device_kind}. On CPU, call it inside"
-          " `experiments.interpret.interpret_mode()` (Pallas interpret"
-          " mode), export it for a TPU inside"
-          " `linear_attention.ops.kda.mosaic.lowering_mode()`, or use"
-          " backend='chunked'.")
+  return mosaic.off_tpu_reason("our Pallas TPU kernel", target.device_kind)
 
 
 def supports(call: common.Call) -> str | None:

@@ -38,9 +38,15 @@ exponent safety), measured on a TPU v5e in docs/kernel.md:
   strictly lower: G^(C/16) = 0). Eleven batched products at C = 64, no
   row-block substitution through a scratch.
 
+The backward kernel (`_backward_kernel`, behind a custom VJP) walks the
+chunks last to first with the state's cotangent in VMEM, recomputing each
+chunk from the chunk-start states the forward saves. `kda` takes the op's
+raw inputs and prepares them in the forward kernel; `strided=True` reads
+the op's own layout as rows (docs/kernel.md).
+
 Limits (NotImplementedError): q, k, v float32 or bfloat16 of one dtype; K and
-V multiples of 128; chunk 16 * 2^n up to 128; every g >= -5; no segments;
-forward only (no VJP yet).
+V multiples of 128; chunk 16 * 2^n up to 128; every g >= -5 (the fused gate
+only with lower_bound); no segments.
 """
 
 import dataclasses

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from linear_attention.ops import backends
 from linear_attention.ops.kda import common
 from linear_attention.ops.kda import gates
+from linear_attention.ops.kda import mosaic
 
 NAME = "tokamax"
 CHECK_VMA = False  # tokamax's pallas_calls do not trace under check_vma
@@ -83,13 +84,9 @@ def supports_target(target: backends.Target) -> str | None:
               " (PallasMosaicTpuKimiDeltaAttention.supported_on); the target"
               f" {target.device_kind!r} is TPU generation {generation}.")
     return None
-  return ("it runs tokamax's Pallas kernel, which needs a TPU"
-          f" v{MIN_TPU_GENERATION}+; the default device is"
-          f" {target.device_kind}. On CPU, call it inside"
-          " `experiments.interpret.interpret_mode()` (Pallas interpret"
-          " mode), export it for a TPU inside"
-          " `linear_attention.ops.kda.mosaic.lowering_mode()`, or use"
-          " backend='chunked'.")
+  return mosaic.off_tpu_reason(
+      f"tokamax's Pallas kernel (TPU v{MIN_TPU_GENERATION}+)",
+      target.device_kind)
 
 
 def supports(call: common.Call) -> str | None:
