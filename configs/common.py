@@ -111,9 +111,10 @@ def train_config(**overrides):
       # same targets with more context in front (a stream task: text).
       # None: each length draws its own windows and scores every position.
       eval_score_last=config_dict.placeholder(int),
-      # How a run's status is read from its metrics (experiments/metrics.py
-      # run_status): "accuracy" (solved, plateaued, rising at cap) or
-      # "loss" (converged, falling at cap: the held-out loss in bits).
+      # How a run's status is read from its metrics
+      # (experiments/training/metrics.py run_status): "accuracy" (solved,
+      # plateaued, rising at cap) or "loss" (converged, falling at cap: the
+      # held-out loss in bits).
       status_rule="accuracy",
       # Length curriculum: ((steps, seq_len), ...) stages trained before the
       # task's own length (task.seq_len replaced), each step holding the same

@@ -3,7 +3,7 @@
 `kda_config()` holds exactly the constructor's keywords (minus `name`), so a
 model builds the layer as `KimiDeltaAttention(**config.model.kda)`, and a
 misspelt override fails because the dict is locked. Values are checked where
-the model is built (`experiments.model.validate_model_config` runs the
+the model is built (`experiments.training.model.validate_model_config` runs the
 constructor's own checks, `validate_kda_layer_args`), before anything runs.
 
 The default gate is the lower-bound ("safe") gate at -5, so every step

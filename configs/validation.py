@@ -6,8 +6,8 @@ ConfigDict: this package imports no numerics.
 
 The names the code defines (registered mixers, status rules, the tasks
 whose held-out windows can be cut) come in as a `Vocabulary` from the
-program (`experiments.program.validate_config`), which then runs the checks
-that need the code: each mixer's own argument checks
+program (`experiments.training.program.validate_config`), which then runs the
+checks that need the code: each mixer's own argument checks
 (`linear_attention.modules`) and what its capabilities allow on the mesh.
 """
 

@@ -24,7 +24,7 @@ import pytest
 
 from configs import common as config_lib
 from configs import validation as config_checks
-from experiments import model as model_lib
+from experiments.training import model as model_lib
 from linear_attention import modules
 from linear_attention import ops
 from linear_attention.modules import attention

@@ -13,13 +13,13 @@ import jax
 import numpy as np
 import pytest
 
+from configs import common as config_lib
 from configs import delayed_copy
 from configs import mqar
 from configs import parity
-from experiments import ablate
-from configs import common as config_lib
 from experiments import tasks as tasks_lib
-from experiments import train
+from experiments.sweeps import ablate
+from experiments.training import train
 from tests import devices as test_devices
 from tests.experiments import argmax_ties
 

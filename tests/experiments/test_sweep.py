@@ -14,14 +14,14 @@ import pytest
 from configs.sweeps import kimi_synthetic
 from configs.sweeps import kimi_synthetic_600steps
 from configs.sweeps import parity as sweep_parity
-from experiments import metrics
-from experiments import model as model_lib
-from experiments import program as program_lib
-from experiments import recall
-from experiments import sweep_lib
-from experiments import sweep_report
 from experiments import tasks
-from experiments import train
+from experiments.sweeps import recall
+from experiments.sweeps import sweep_lib
+from experiments.sweeps import sweep_report
+from experiments.training import metrics
+from experiments.training import model as model_lib
+from experiments.training import program as program_lib
+from experiments.training import train
 from tests.experiments import argmax_ties
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(

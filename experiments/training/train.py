@@ -18,14 +18,14 @@ and writes into `workdir`:
   `corpus.json`: a run does not resume on another corpus);
 * `accuracy.png`: held-out accuracy against step.
 
-The pieces live by concern: `experiments/program.py` (config checks, model,
-optimiser, jitted steps), `experiments/metrics.py` (the metrics log),
-`experiments/checkpoints.py` (orbax); this file is the loop.
+The pieces live by concern: `experiments/training/program.py` (config checks,
+model, optimiser, jitted steps), `experiments/training/metrics.py` (the metrics
+log), `experiments/training/checkpoints.py` (orbax); this file is the loop.
 
 Several processes (`jax.distributed.initialize` before the first JAX call,
 as `run_experiment.py` does with its distributed flags): every process runs
 this same loop on the mesh spanning all devices; the batches, parameters and
-metrics are the single-process run's (`experiments/program.py`); only
+metrics are the single-process run's (`experiments/training/program.py`); only
 process 0 writes config.json, metrics, TensorBoard, plots and the summary,
 and every process takes part in orbax's checkpoint saves and restores (the
 workdir must be a path all processes share).
@@ -62,13 +62,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from experiments import checkpoints
-from experiments import distributed
-from experiments import metrics as metrics_lib
-from experiments import model as model_lib
-from experiments import plotting
-from experiments import program as program_lib
 from experiments import tasks as tasks_lib
+from experiments.training import checkpoints
+from experiments.training import distributed
+from experiments.training import metrics as metrics_lib
+from experiments.training import model as model_lib
+from experiments.training import plotting
+from experiments.training import program as program_lib
 
 # The names the CLIs and tests use, from the modules that define them.
 build_program = program_lib.build_program

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import validation as config_checks
-from experiments import interpret
+from experiments.training import interpret
 from linear_attention.modules import pinned
 from linear_attention.modules import registry
 from linear_attention.ops.kda import api as kda_api
@@ -275,15 +275,15 @@ def traces_under_check_vma(model) -> bool:
 def host_context(model):
   """What running the model on this host needs, as a context manager.
 
-  Pallas interpret mode (`experiments.interpret`: seconds per call, tiny
-  shapes only) when the op says a layer's backend runs interpreted here
+  Pallas interpret mode (`experiments.training.interpret`: seconds per call,
+  tiny shapes only) when the op says a layer's backend runs interpreted here
   (`tokamax` off TPU); nothing otherwise.
   """
   if not any(kda_api.runs_interpreted(b) for b in op_backends(model)):
     return contextlib.nullcontext()
   logging.info(
       "KDA backend %s needs a TPU and the default device is %s:"
-      " running inside experiments.interpret.interpret_mode() (Pallas"
+      " running inside experiments.training.interpret.interpret_mode() (Pallas"
       " interpret mode, slow).", kda_backend(model), jax.default_backend())
   return interpret.interpret_mode()
 

@@ -21,7 +21,7 @@ rate whose mean best accuracy over seeds is highest (the protocol of
 Kimi Linear §5.1, best of a learning-rate grid), with every rate's runs kept
 in results.json.
 
-Runs are read from their directories (experiments/sweep_lib.py lays them
+Runs are read from their directories (experiments/sweeps/sweep_lib.py lays them
 out); a run's status and training time come from its metrics.
 """
 
@@ -33,11 +33,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from experiments import metrics as metrics_lib
-from experiments import plotting
-from experiments import sweep_lib
 from experiments import tasks as tasks_lib
-from experiments import train
+from experiments.sweeps import sweep_lib
+from experiments.training import metrics as metrics_lib
+from experiments.training import plotting
+from experiments.training import train
 
 
 def _read_run(run_dir: str, cap: int,
@@ -544,7 +544,7 @@ def results_markdown(results: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-# What each status rule is, in results.md (experiments/metrics.py).
+# What each status rule is, in results.md (experiments/training/metrics.py).
 STATUS_RULE_TEXT = dict(
     accuracy=(
         "Status of a run, from its metrics: solved (>= 99%), plateaued (over"

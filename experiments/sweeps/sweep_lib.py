@@ -28,7 +28,7 @@ where it stopped; a run directory that holds a run of a different config
 (the sweep config was edited) stops the sweep and its aggregation with a
 ValueError naming the runs and fields. Several processes may work on one
 workdir at once, on one host or several sharing it: each run is claimed
-through `<run dir>.lock` (experiments/run_lock.py: host, pid and a lease
+through `<run dir>.lock` (experiments/sweeps/run_lock.py: host, pid and a lease
 the trainer refreshes; taken over only when its owner is provably gone).
 
 Each run directory also gets `commits.txt`, the commit(s) of the code that
@@ -36,7 +36,8 @@ trained it (one line per commit, in order, when a run was resumed at
 another), passed in by the CLI; results.md says how many runs each commit
 trained.
 
-The tables and figures of a sweep's finished runs: experiments/sweep_report.py.
+The tables and figures of a sweep's finished runs:
+experiments/sweeps/sweep_report.py.
 """
 
 import copy
@@ -49,10 +50,10 @@ from typing import Sequence
 from absl import logging
 import ml_collections
 
-from experiments import checkpoints
-from experiments import metrics as metrics_lib
-from experiments import run_lock
-from experiments import train
+from experiments.sweeps import run_lock
+from experiments.training import checkpoints
+from experiments.training import metrics as metrics_lib
+from experiments.training import train
 
 
 @dataclasses.dataclass(frozen=True)

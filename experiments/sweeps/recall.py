@@ -36,12 +36,12 @@ from absl import logging
 import jax
 import numpy as np
 
-from experiments import checkpoints
-from experiments import metrics as metrics_lib
-from experiments import model as model_lib
-from experiments import plotting
-from experiments import program as program_lib
 from experiments import tasks as tasks_lib
+from experiments.training import checkpoints
+from experiments.training import metrics as metrics_lib
+from experiments.training import model as model_lib
+from experiments.training import plotting
+from experiments.training import program as program_lib
 
 # The tasks that say where each answer was written (`answer_positions`).
 RECALL_TASKS = tuple(sorted(name for name, cls in tasks_lib.TASKS.items()
