@@ -36,6 +36,7 @@ import numpy as np
 from experiments import tasks as tasks_lib
 from experiments.sweeps import sweep_lib
 from experiments.training import metrics as metrics_lib
+from experiments.training import resume
 from experiments.training import plotting
 from experiments.training import train
 
@@ -73,7 +74,7 @@ def _read_run(run_dir: str, cap: int,
   summary["status_rule"] = rule
   summary["train_seconds"] = metrics_lib.train_seconds(records)
   summary["pause_seconds"] = metrics_lib.pause_seconds(records)
-  stored = train.stored_config(run_dir)
+  stored = resume.stored_config(run_dir)
   summary["num_steps"] = cap if stored is None else stored["train"][
       "num_steps"]
   summary["commits"] = sweep_lib.read_commits(run_dir)
