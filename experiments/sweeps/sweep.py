@@ -42,6 +42,7 @@ from ml_collections import config_flags
 
 from experiments.sweeps import recall
 from experiments.sweeps import sweep_lib
+from experiments.sweeps import sweep_markdown
 from experiments.sweeps import sweep_report
 from experiments.training import train
 
@@ -153,5 +154,5 @@ def main(argv):
                         depth_first=_DEPTH_FIRST.value)
   results = sweep_report.aggregate(
       sweep, workdir, metadata=dict(aggregated_at=_code_version()))
-  print(sweep_report.results_markdown(results))  # the CLI's one output
+  print(sweep_markdown.results_markdown(results))  # the CLI's one output
 

@@ -286,6 +286,7 @@ def test_bits_per_byte_at_each_length_match_a_hand_computation(tmp_path):
 
 def test_bits_per_byte_compare_per_seed_with_their_spread():
   import statistics
+  from experiments.sweeps import sweep_markdown
   from experiments.sweeps import sweep_report
 
   def cell(mixer, bits, steps, curves):
@@ -318,7 +319,7 @@ def test_bits_per_byte_compare_per_seed_with_their_spread():
                              [2.0 - 2.03, 2.1 - 2.15, 2.05 - 2.08])
   assert equal["verdict"] == "lower in every seed"
   assert by[(1024, False)]["verdict"] == "lower in every seed"
-  lines = sweep_report._bits_comparison_lines(out)
+  lines = sweep_markdown._bits_comparison_lines(out)
   assert lines[-2] == ("| 256 | kda - gdn | 256 (equal steps) | 2000 / 3000"
                        " / 3000 | -0.030 / -0.050 / -0.030 | -0.037 |"
                        " 0.012 | lower in every seed |")
