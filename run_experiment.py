@@ -21,11 +21,11 @@ The config is locked: a misspelt override fails before anything runs.
 Rerunning with the same workdir resumes from the latest checkpoint. With
 a KDA backend that needs a TPU (`model.kda.backend=tokamax`, alias
 `mosaic`, or `pallas`) on a machine whose default device is not a TPU, the
-run goes inside `experiments.interpret.interpret_mode()`.
+run goes inside `experiments.training.interpret.interpret_mode()`.
 Flags are read here, in `main`, and nowhere else. A mistake in the command
 (a missing config file, an unknown or ill-typed field, a value out of range,
 a workdir that is a file) is one line on stderr and exit status 2, before
-anything runs; `--verbose` adds the traceback (experiments/cli.py).
+anything runs; `--verbose` adds the traceback (experiments/tools/cli.py).
 """
 
 from absl import app
@@ -34,9 +34,9 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from experiments import cli
-from experiments import compilation_cache
-from experiments import train
+from experiments.tools import cli
+from experiments.training import compilation_cache
+from experiments.training import train
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/mqar.py[:smoke].",

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-t
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from benchmarks import kda_error_vs_length  # pylint: disable=g-import-not-at-top,wrong-import-position
-from experiments import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments.tools import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from linear_attention import ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 AXIS = "context"

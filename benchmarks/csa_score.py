@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks import kda_error_vs_length
 from benchmarks import kda_speed
-from experiments import cli
+from experiments.tools import cli
 from linear_attention import ops
 from linear_attention.ops.csa import pallas
 

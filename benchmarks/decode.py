@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kda_speed
-from experiments import cli
+from experiments.tools import cli
 from linear_attention.modules import attention as attention_lib
 from linear_attention.modules import kda as kda_module
 

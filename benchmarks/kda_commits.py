@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from benchmarks import kda_speed
-from experiments import cli
+from experiments.tools import cli
 from linear_attention import testing
 
 PACKAGE = "linear_attention"

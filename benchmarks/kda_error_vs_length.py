@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import cli
+from experiments.tools import cli
 from linear_attention import ops
 from linear_attention import testing
 

@@ -39,7 +39,7 @@ import statistics
 import jax
 
 from benchmarks import kda_speed
-from experiments import cli
+from experiments.tools import cli
 
 LENGTHS = (1024, 4096, 16384, 65536)
 SHAPE = dict(b=1, h=4, d=64)
@@ -96,7 +96,7 @@ def bench_train(lengths, repeats, warm_calls=0):
   from configs import common as config_lib  # pylint: disable=g-import-not-at-top
   from configs import mqar  # pylint: disable=g-import-not-at-top
   from experiments import tasks  # pylint: disable=g-import-not-at-top
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from experiments.training import train  # pylint: disable=g-import-not-at-top
 
   rows = []
   for t in lengths:

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import cli
+from experiments.tools import cli
 from linear_attention import ops
 from linear_attention import testing
 
@@ -271,10 +271,10 @@ def bench_train_step(repeats, config_name="mqar", warm_calls=0):
   for each, interleaved like the op timings.
   """
   # Imported here: the op benchmark does not need the experiment stack.
-  from configs import delayed_copy, mqar  # pylint: disable=g-import-not-at-top
   from configs import common as config_lib  # pylint: disable=g-import-not-at-top
+  from configs import delayed_copy, mqar  # pylint: disable=g-import-not-at-top
   from experiments import tasks  # pylint: disable=g-import-not-at-top
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from experiments.training import train  # pylint: disable=g-import-not-at-top
 
   base = {"mqar": mqar, "delayed_copy": delayed_copy}[config_name].get_config()
   fns, inputs = {}, None

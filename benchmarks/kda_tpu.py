@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kda_speed
-from experiments import cli
+from experiments.tools import cli
 from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda import gates

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kda_tpu
-from experiments import cli
+from experiments.tools import cli
 from linear_attention.ops import backends
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu as pt

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from benchmarks import kda_speed
 from benchmarks import kda_tpu
-from experiments import cli
+from experiments.tools import cli
 from linear_attention.ops.kda import gates
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu

@@ -10,8 +10,8 @@ over the same jitted step and the same batches:
 * `sync`: draw the batch in NumPy, run the step, fetch its metrics
   (`jax.device_get`), as the loop did before: the host waits for every
   step, and the device for every batch;
-* `async`: the loop of `experiments.train` now: batches drawn in a thread
-  (`train.Prefetch`) while the step before runs, metrics fetched every
+* `async`: the loop of `experiments.training.train` now: batches drawn in a
+  thread (`train.Prefetch`) while the step before runs, metrics fetched every
   `--log_every` steps.
 
 Also timed alone: drawing one batch, and one `jax.device_get` of a step's
@@ -32,9 +32,9 @@ import jax.numpy as jnp
 
 from configs import common as config_lib
 from configs.sweeps import kimi_synthetic
-from experiments import cli
-from experiments import sweep_lib
-from experiments import train
+from experiments.sweeps import sweep_lib
+from experiments.tools import cli
+from experiments.training import train
 
 
 def _config(mixer):

@@ -7,10 +7,14 @@ Every experiment config has the same sections:
 
 * `seed`: parameters from `jax.random.key(seed)`; data from (seed, step);
 * `task`: `name` plus the task's fields (see `experiments.tasks`);
-* `model`: `mixer`, `num_layers`, `d_model`, `mlp_hidden`, and one section
-  of keywords per mixer family: `kda` (the `KimiDeltaAttention` keywords,
-  `configs.layers.kda_config()`; read by the mixers "kda", "gdn",
-  "kda_zeroed") and `attention` (the softmax baseline's keywords);
+* `model`: `mixer`, `num_layers`, `d_model`, `mlp_hidden`, `compute_dtype`,
+  `precision`, and one section of keywords per mixer family: `kda` (the
+  `KimiDeltaAttention` keywords, `configs.layers.kda_config()`; read by the
+  mixers "kda", "gdn", "kda_zeroed") and `attention` (the softmax
+  baseline's keywords);
+* `model.precision` ("auto") is pinned on every matmul of the model; a
+  mixer section's `precision` of None follows it (attention's), a name
+  overrides it (`model.kda.precision`, "auto"); docs/api.md, "Precision";
 * `train`: optimiser, schedule, batch, logging, evaluation, checkpoints;
 * `mesh`: `data` x `context` devices; the batch is split over `data` and the
   sequence over `context` (KDA's exact state passing); 1 x 1 is one device.
@@ -50,10 +54,18 @@ def model_config(*, mixer="kda", num_layers=2, d_model=128, mlp_hidden=256,
       # "bfloat16": mixed precision (float32 parameters and optimizer state,
       # bfloat16 activations and matmuls, float32 KDA state and loss).
       compute_dtype="float32",
+      # Matmul precision of the whole model (linear_attention/ops/
+      # precision.py): "auto" (HIGHEST for float32 compute, one bfloat16
+      # pass for bfloat16), "highest", "high" or "default"; pinned whatever
+      # jax.default_matmul_precision says. A section's precision of None
+      # is this one.
+      precision="auto",
       kda=kda,
       attention=dict(num_heads=num_heads, head_dim=head_dim,
                      conv_size=conv_size, rope_base=10_000.0,
-                     rope=True),  # False: no positional encoding (NoPE)
+                     rope=True,  # False: no positional encoding (NoPE)
+                     # None: model.precision; or a name of its own.
+                     precision=config_dict.placeholder(str)),
   ))
 
 
@@ -99,9 +111,10 @@ def train_config(**overrides):
       # same targets with more context in front (a stream task: text).
       # None: each length draws its own windows and scores every position.
       eval_score_last=config_dict.placeholder(int),
-      # How a run's status is read from its metrics (experiments/metrics.py
-      # run_status): "accuracy" (solved, plateaued, rising at cap) or
-      # "loss" (converged, falling at cap: the held-out loss in bits).
+      # How a run's status is read from its metrics
+      # (experiments/training/metrics.py run_status): "accuracy" (solved,
+      # plateaued, rising at cap) or "loss" (converged, falling at cap: the
+      # held-out loss in bits).
       status_rule="accuracy",
       # Length curriculum: ((steps, seq_len), ...) stages trained before the
       # task's own length (task.seq_len replaced), each step holding the same

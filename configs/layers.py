@@ -3,7 +3,7 @@
 `kda_config()` holds exactly the constructor's keywords (minus `name`), so a
 model builds the layer as `KimiDeltaAttention(**config.model.kda)`, and a
 misspelt override fails because the dict is locked. Values are checked where
-the model is built (`experiments.model.validate_model_config` runs the
+the model is built (`experiments.training.model.validate_model_config` runs the
 constructor's own checks, `validate_kda_layer_args`), before anything runs.
 
 The default gate is the lower-bound ("safe") gate at -5, so every step
@@ -40,7 +40,8 @@ def kda_config() -> ml_collections.ConfigDict:
       chunk_size=config_dict.placeholder(int),
       # Matmul precision of the op and the layer's projections: "auto"
       # (float32-exact for float32 activations, fast for bfloat16),
-      # "highest", "high" or "default" (jax.lax.Precision names).
+      # "highest", "high" or "default" (jax.lax.Precision names). In a
+      # model config, None follows model.precision.
       precision="auto",
   ))
   config.lock()

@@ -6,8 +6,8 @@ ConfigDict: this package imports no numerics.
 
 The names the code defines (registered mixers, status rules, the tasks
 whose held-out windows can be cut) come in as a `Vocabulary` from the
-program (`experiments.program.validate_config`), which then runs the checks
-that need the code: each mixer's own argument checks
+program (`experiments.training.program.validate_config`), which then runs the
+checks that need the code: each mixer's own argument checks
 (`linear_attention.modules`) and what its capabilities allow on the mesh.
 """
 
@@ -18,6 +18,9 @@ import ml_collections
 
 SCHEDULES = ("cosine", "constant", "wsd")  # train.schedule
 COMPUTE_DTYPES = ("float32", "bfloat16")  # model.compute_dtype
+# model.precision: the names of linear_attention/ops/precision.py (a test
+# keeps the two equal; configs import no numerics).
+PRECISIONS = ("auto", "highest", "high", "default")
 
 
 class Vocabulary(NamedTuple):
@@ -60,6 +63,9 @@ def validate_model(model, mixers) -> None:
   dtype = model.get("compute_dtype", "float32")
   check("model.compute_dtype", dtype in COMPUTE_DTYPES,
         f"one of {COMPUTE_DTYPES}", dtype)
+  precision = model.get("precision", "auto")
+  check("model.precision", precision in PRECISIONS, f"one of {PRECISIONS}",
+        precision)
 
 
 def check(name: str, ok: bool, want: str, value: Any) -> None:

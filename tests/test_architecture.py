@@ -14,16 +14,28 @@ PACKAGES = ("configs", "experiments", "linear_attention", "benchmarks")
 CLIS = ("run_experiment", "experiments.ablate", "experiments.sweep",
         "experiments.export_tpu", "experiments.generate")
 
+_EXPERIMENTS_BELOW = ("configs.validation", "experiments.tasks",
+                      "linear_attention.modules", "linear_attention.ops",
+                      "linear_attention.parallel")
 # What each layer may import from the project (a prefix match on module
 # names); third-party packages are free except where `FORBIDDEN` says.
 ALLOWED = {
     "configs": ("configs",),
     "cli": ("configs", "experiments", "linear_attention"),
     "benchmarks": ("benchmarks", "configs", "experiments", "linear_attention"),
-    # configs.validation: the config checks, plain Python (no numerics).
-    "experiments": ("configs.validation", "experiments",
-                    "linear_attention.modules", "linear_attention.ops",
-                    "linear_attention.parallel"),
+    # experiments/ by job, each folder over the ones before it: tasks (plain
+    # NumPy), training (one run), then sweeps (many runs and their reports)
+    # and tools (the command-line plumbing, generation, the TPU export) side
+    # by side, neither importing the other. configs.validation: the config
+    # checks, plain Python (no numerics); configs.common: `apply_diff`, for
+    # the commands that derive configs from a base one.
+    "experiments": (),  # the package itself
+    "experiments.tasks": ("experiments.tasks",),
+    "experiments.training": _EXPERIMENTS_BELOW + ("experiments.training",),
+    "experiments.sweeps": _EXPERIMENTS_BELOW + (
+        "configs.common", "experiments.training", "experiments.sweeps"),
+    "experiments.tools": _EXPERIMENTS_BELOW + (
+        "configs.common", "experiments.training", "experiments.tools"),
     "linear_attention.modules": ("linear_attention.modules",
                                  "linear_attention.ops"),
     "linear_attention.parallel": ("linear_attention.parallel",
@@ -181,16 +193,25 @@ def test_no_import_cycles():
 
 def test_a_planted_upward_import_and_cycle_are_caught(tmp_path):
   """The checks above fail on the faults they exist for."""
-  GRAPH["linear_attention.ops.kda.api"].add("experiments.train")
+  planted = {"linear_attention.ops.kda.api": "experiments.training.train",
+             "experiments.tasks.mqar": "experiments.training.model",
+             "experiments.training.train": "experiments.sweeps.sweep_lib",
+             "experiments.training.model": "experiments.tools.cli",
+             "experiments.tools.generation": "experiments.sweeps.recall",
+             "experiments.sweeps.sweep_lib": "experiments.tools.generation"}
+  for name, upward in planted.items():
+    GRAPH[name].add(upward)
   try:
-    with pytest.raises(AssertionError, match="imports"):
-      test_imports_point_down("linear_attention.ops.kda.api")
+    for name in planted:
+      with pytest.raises(AssertionError, match="imports"):
+        test_imports_point_down(name)
     GRAPH["linear_attention.ops.kda.chunked"].add(
         "linear_attention.ops.kda.api")
     with pytest.raises(AssertionError, match="import cycle"):
       test_no_import_cycles()
   finally:
-    GRAPH["linear_attention.ops.kda.api"].discard("experiments.train")
+    for name, upward in planted.items():
+      GRAPH[name].discard(upward)
     GRAPH["linear_attention.ops.kda.chunked"].discard(
         "linear_attention.ops.kda.api")
 
@@ -312,7 +333,7 @@ def test_a_planted_patch_is_caught():
   planted = ("from unittest import mock\n"
              "from linear_attention.ops import backends\n"
              "mock.patch.object(backends, 'chunk_size', None)\n"
-             "mock.patch('experiments.train.time')\n"
+             "mock.patch('experiments.training.train.time')\n"
              "def t(monkeypatch):\n"
              "  monkeypatch.setattr(backends, 'resolve', None)\n")
   assert _library_patches(planted) == [3, 4, 6]
@@ -324,7 +345,8 @@ def test_a_planted_patch_is_caught():
 
 # Library hygiene: `linear_attention` never prints, reads flags or the
 # environment, or patches another package (experiments/ may: it is the
-# program; e.g. experiments/interpret.py for Pallas interpret mode).
+# program; e.g. experiments/training/interpret.py for Pallas interpret
+# mode).
 IMPURE_IMPORTS = ("unittest.mock", "mock", "absl.flags")
 IMPURE_NAMES = ("os.environ", "os.getenv", "os.putenv", "print",
                 "mock.patch", "setattr")
@@ -392,12 +414,12 @@ def _mixer_questions(source: str) -> list[int]:
 
 
 @pytest.mark.parametrize("name", sorted(
-    n for n in MODULES if _layer(n) in ("experiments", "cli")))
+    n for n in MODULES if _layer(n).split(".")[0] in ("experiments", "cli")))
 def test_code_above_the_mixers_asks_capabilities(name):
   lines = _mixer_questions(_source(name))
   assert not lines, (
       f"{name} asks which mixer a layer is at lines {lines}; ask its"
-      " capabilities (`experiments.model.sections_with`, ...).")
+      " capabilities (`experiments.training.model.sections_with`, ...).")
 
 
 def test_a_planted_mixer_question_is_caught():

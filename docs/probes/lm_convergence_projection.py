@@ -1,10 +1,10 @@
 """How far the language model would have to train to meet the convergence rule.
 
-The rule (experiments/metrics.py, `loss_status`): held-out bits per byte fall
-by less than 0.005 over the last tenth of the steps. No run of results/text
-meets it at the 6000-step cap. This fits bits(s) = a + b * s**-c to each
-run's held-out evaluations from step 2000 on (past the hybrid's drop between
-1000 and 2000), by least squares, and solves for the first step N with
+The rule (experiments/training/metrics.py, `loss_status`): held-out bits per
+byte fall by less than 0.005 over the last tenth of the steps. No run of
+results/text meets it at the 6000-step cap. This fits bits(s) = a + b * s**-c to
+each run's held-out evaluations from step 2000 on (past the hybrid's drop
+between 1000 and 2000), by least squares, and solves for the first step N with
 bits(0.9 N) - bits(N) < 0.005. An extrapolation of a three-parameter fit over
 one decade of steps: read it as an order of magnitude, not a prediction.
 
@@ -24,7 +24,7 @@ import os
 import numpy as np
 from scipy import optimize
 
-from experiments import metrics
+from experiments.training import metrics
 
 FALL, FIRST = metrics.CONVERGE_FALL, 2000
 here = os.path.dirname(os.path.abspath(__file__))
@@ -67,7 +67,7 @@ for run in sorted(glob.glob(os.path.join(
     w = (s >= lo) & (s <= lo + 600)
     print(f"  {lo}-{lo + 600}: fall {-np.polyfit(s[w], y[w], 1)[0] * 600:7.4f}"
           f"  lowest {y[w].min():.4f}")
-  # The rule's own two measures (experiments/metrics.py) on this run.
+  # The rule's own two measures (experiments/training/metrics.py) on this run.
   line, lowest = metrics._window_change(  # pylint: disable=protected-access
       [dict(step=r["step"], minus_bits=-r["loss"] / math.log(2))
        for r in evals], "minus_bits", metrics.CONVERGE_FRACTION)

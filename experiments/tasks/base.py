@@ -85,7 +85,7 @@ class RecallTask(Task, Protocol):
     """[B, T] int: where each scored position's answer was written, else -1.
 
     Read from `batch.inputs` and the task's layout, never from the targets
-    (`experiments/recall.py` bins accuracy by the distance).
+    (`experiments/sweeps/recall.py` bins accuracy by the distance).
     """
 
 

@@ -21,11 +21,11 @@ The corpus is built once into `cache_dir` (one memory-mapped file of the
 bytes and one of the file boundaries per split, in a folder named by the
 corpus's SHA-256) and reused by every run on that corpus. By default that is
 `CACHE_DIR`, ~/.cache/linear_attention/text_corpus, beside JAX's
-compilation cache (`experiments.compilation_cache`): outside every run's
-workdir, since runs share it (about 31 MB for the standard library); a
+compilation cache (`experiments.training.compilation_cache`): outside every
+run's workdir, since runs share it (about 31 MB for the standard library); a
 relative `cache_dir` is relative to the current folder. `fingerprint()`
 (Python version, files, bytes, SHA-256) goes into each run's summary; a run
-refuses to resume on another corpus (`experiments.train`).
+refuses to resume on another corpus (`experiments.training.train`).
 """
 
 import dataclasses

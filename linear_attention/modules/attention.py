@@ -12,8 +12,13 @@ no positional encoding, KDA carries position).
     y       = o W_out
 
 The mask is causal and, with `segment_ids`, keeps each token to its own
-packed document (padding outputs zero). Scores go through
-`jax.nn.dot_product_attention`.
+packed document (padding outputs zero). Every matmul (the projections, q k^T
+and the weighted sum of v) runs at the layer's `precision`
+(`linear_attention.ops.precision`: "auto" is float32-exact for float32
+activations, one bfloat16 pass for bfloat16), whatever
+`jax.default_matmul_precision` says; the scores are the computation of
+`jax.nn.dot_product_attention(implementation="xla")`, which takes no
+precision, written out with it pinned.
 
 The mixer contract (`linear_attention.modules.mixer`): `layer(x, *,
 segment_ids=None, cache=None) -> (y, new_cache or None)`. Decoding:
@@ -29,10 +34,13 @@ from typing import NamedTuple
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linear_attention.modules import mixer
+from linear_attention.modules import pinned
 from linear_attention.modules import short_conv
 from linear_attention.ops import checks
+from linear_attention.ops import precision as precision_lib
 
 WEIGHT_STDDEV = 0.02  # as the KDA layer
 
@@ -61,7 +69,8 @@ class AttentionCache(NamedTuple):
 
 def validate_attention_args(*, num_heads: int, head_dim: int,
                             conv_size: int = 4, rope_base: float = 10_000.0,
-                            rope: bool = True) -> None:
+                            rope: bool = True, precision: str = "auto"
+                            ) -> None:
   """Raises ValueError, naming the argument, unless the layer can be built."""
   checks.int_at_least("num_heads", num_heads, 1)
   checks.int_at_least("head_dim", head_dim, 1)
@@ -71,6 +80,7 @@ def validate_attention_args(*, num_heads: int, head_dim: int,
                       note=" (0 turns the short conv off)")
   checks.positive_number("rope_base", rope_base)
   checks.boolean("rope", rope)
+  precision_lib.validate(precision)
 
 
 def init_attention_cache(batch_size: int, *, num_heads: int, head_dim: int,
@@ -107,12 +117,17 @@ class ShortConvSoftmaxAttention(hk.Module):
   conv_size: int = 4  # W taps of the short conv; 0 = no conv, SiLU only
   rope_base: float = 10_000.0  # RoPE wavelength base
   rope: bool = True  # False: no positional encoding (Kimi Linear's NoPE)
+  # Matmul precision of every product ("auto": float32-exact for float32
+  # activations, one bfloat16 pass for bfloat16; linear_attention/ops/
+  # precision.py).
+  precision: str = "auto"
   name: str | None = None
 
   def __post_init__(self):
     validate_attention_args(
         num_heads=self.num_heads, head_dim=self.head_dim,
-        conv_size=self.conv_size, rope_base=self.rope_base, rope=self.rope)
+        conv_size=self.conv_size, rope_base=self.rope_base, rope=self.rope,
+        precision=self.precision)
     super().__post_init__()  # hk.Module.__init__(name=self.name)
 
   def init_cache(self, batch_size: int, max_len: int,
@@ -136,9 +151,11 @@ class ShortConvSoftmaxAttention(hk.Module):
                        " runs one sequence per row.")
     tails = (None,) * 3 if cache is None else cache[:3]
     qkv, new_tails = [], []
+    prec = precision_lib.for_dtype(self.precision, x.dtype)
     for name, tail in zip("qkv", tails):
-      y = hk.Linear(h * dh, with_bias=False, name=f"{name}_proj",
-                    w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))(x)
+      y = pinned.linear(x, h * dh, precision=self.precision,
+                        name=f"{name}_proj",
+                        w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))
       if self.conv_size > 0:
         y = short_conv.ShortConvolution(self.conv_size, activation="silu",
                                         name=f"{name}_conv1d")(
@@ -155,7 +172,7 @@ class ShortConvSoftmaxAttention(hk.Module):
     if self.rope:
       q, k = rope(q, self.rope_base, offset), rope(k, self.rope_base, offset)
     if cache is None:
-      o = _attend(q, k, v, _training_mask(t, segment_ids))
+      o = attend(q, k, v, _training_mask(t, segment_ids), prec)
       new_cache = None
     else:
       keys = jax.lax.dynamic_update_slice(
@@ -164,15 +181,15 @@ class ShortConvSoftmaxAttention(hk.Module):
           cache.v, v.astype(cache.v.dtype), (0, cache.length, 0, 0))
       seen = jnp.arange(cache.k.shape[1])[None, :] <= (
           cache.length + jnp.arange(t))[:, None]  # [T, S]
-      o = _attend(q, keys.astype(q.dtype), values.astype(q.dtype),
-                  seen[None, None])
+      o = attend(q, keys.astype(q.dtype), values.astype(q.dtype),
+                 seen[None, None], prec)
       new_cache = AttentionCache(*new_tails, k=keys, v=values,
                                  length=cache.length + t)
     if segment_ids is not None:
       o = jnp.where((segment_ids > 0)[..., None, None], o, 0.0)
-    y = hk.Linear(d, with_bias=False, name="out",
-                  w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))(
-                      o.reshape(b, t, h * dh))
+    y = pinned.linear(o.reshape(b, t, h * dh), d, precision=self.precision,
+                      name="out",
+                      w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))
     return y, new_cache
 
 
@@ -189,10 +206,24 @@ def _training_mask(t, segment_ids):
   return causal & same
 
 
-def _attend(q, k, v, mask):
-  """softmax(q k^T / sqrt(Dh), masked) v on [B, T, H, Dh] / [B, S, H, Dh]."""
-  return jax.nn.dot_product_attention(q, k, v, mask=mask,
-                                      implementation="xla")
+def attend(q, k, v, mask, precision: jax.lax.Precision):
+  """softmax(q k^T / sqrt(Dh), masked) v on [B, T, H, Dh] / [B, S, H, Dh].
+
+  `jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")`
+  step for step (the same numbers), with both products at `precision`:
+  logits in float32 (float64 for float64 inputs), masked entries set to
+  -0.7 x the float32 maximum, the softmax in float32, its weights in k's
+  dtype. `mask` [B or 1, H or 1, T, S] bool.
+  """
+  logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
+  logits = jnp.einsum("bthd,bshd->bhts", q, k, precision=precision,
+                      preferred_element_type=logits_dtype)
+  logits = logits * jnp.array(1.0 / np.sqrt(q.shape[-1]), logits_dtype)
+  large_negative = jnp.asarray(-0.7 * np.finfo(np.float32).max, logits_dtype)
+  logits = jnp.where(mask, logits, large_negative)
+  weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.einsum("bhts,bshd->bthd", weights.astype(k.dtype), v,
+                    precision=precision)
 
 
 MIXER = mixer.Mixer(

@@ -30,6 +30,11 @@ with block w visible to token s once its last token is in the past
 visible blocks per token are returned; slots beyond the visible blocks hold
 -1. The FP8 quantisation and the Hadamard rotation of the released code are
 left out (the rotation is orthogonal on both q and k, so q . k is unchanged).
+
+Every matmul (the five projections and the score's q . k) runs at the
+module's `precision` (`linear_attention.ops.precision`: "auto" is
+float32-exact for float32 activations, one bfloat16 pass for bfloat16),
+whatever `jax.default_matmul_precision` says.
 """
 
 from typing import NamedTuple
@@ -40,7 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from linear_attention import ops
+from linear_attention.modules import pinned
 from linear_attention.ops import checks
+from linear_attention.ops import precision as precision_lib
 from linear_attention.ops.csa import api as csa_api
 
 
@@ -88,6 +95,7 @@ class CompressedSparseIndexer(hk.Module):
       block_w: int | None = None,  # (pallas only)
       head_chunk: int | None = None,  # (xla_chunked / pallas)
       norm_eps: float = 1e-6,  # RMSNorm epsilon
+      precision: str = "auto",  # of every matmul (ops/precision.py)
       name: str | None = None,
   ):
     super().__init__(name=name)
@@ -102,15 +110,21 @@ class CompressedSparseIndexer(hk.Module):
                        f" got {rope_dim}.")
     checks.positive_number("rope_theta", rope_theta)
     checks.positive_number("norm_eps", norm_eps)
+    precision_lib.validate(precision)
     self.score_backend = csa_api.BACKENDS.parse(score_backend)
     self.num_heads, self.head_dim = num_heads, head_dim
     self.compress_rate, self.topk = compress_rate, topk
     self.rope_dim, self.q_rank, self.rope_theta = rope_dim, q_rank, rope_theta
-    self.norm_eps = norm_eps
+    self.norm_eps, self.precision = norm_eps, precision
     self.score_options = {
         k: v for k, v in dict(interpret=interpret, block_q=block_q,
                               block_w=block_w, head_chunk=head_chunk).items()
         if v is not None}
+
+  @hk.transparent  # no scope of its own: the caller's parameter names
+  def _linear(self, x, size, name):
+    """x W (no bias, Haiku's default init) at the module's precision."""
+    return pinned.linear(x, size, precision=self.precision, name=name)
 
   def compress(self, x, positions=None, segment_ids=None):
     """[B, S, M] -> compressed keys [B, W, D] (float32 math, x's dtype out)."""
@@ -118,8 +132,8 @@ class CompressedSparseIndexer(hk.Module):
     r, d = self.compress_rate, self.head_dim
     nw = s // r
     xb = x[:, :nw * r]
-    kv = hk.Linear(2 * d, with_bias=False, name="compressor_kv")(xb)
-    z = hk.Linear(2 * d, with_bias=False, name="compressor_gate")(xb)
+    kv = self._linear(xb, 2 * d, "compressor_kv")
+    z = self._linear(xb, 2 * d, "compressor_gate")
     ape = hk.get_parameter("compressor_ape", (r, 2 * d), jnp.float32,
                            init=jnp.zeros)
     kv = kv.reshape(b, nw, r, 2 * d).astype(jnp.float32)
@@ -177,7 +191,7 @@ class CompressedSparseIndexer(hk.Module):
     if q_lowrank is None:
       if self.q_rank is None:
         raise ValueError("q_rank is required when q_lowrank is not given.")
-      q_lowrank = hk.Linear(self.q_rank, with_bias=False, name="q_a")(x)
+      q_lowrank = self._linear(x, self.q_rank, "q_a")
       q_lowrank = hk.RMSNorm(-1, eps=self.norm_eps, name="q_a_norm")(
           q_lowrank)
     elif (getattr(q_lowrank, "ndim", None) != 3
@@ -189,10 +203,10 @@ class CompressedSparseIndexer(hk.Module):
     pos = (jnp.broadcast_to(jnp.arange(s), (b, s)) if positions is None
            else positions)
     k_c = self.compress(x, positions, segment_ids)
-    q = hk.Linear(h * d, with_bias=False, name="q_b")(q_lowrank)
+    q = self._linear(q_lowrank, h * d, "q_b")
     q = apply_interleaved_rope(q.reshape(b, s, h, d), pos[:, :, None],
                                self.rope_dim, self.rope_theta)
-    weights = hk.Linear(h, with_bias=False, name="weights_proj")(x) * h**-0.5
+    weights = self._linear(x, h, "weights_proj") * h**-0.5
     kw = {}
     if positions is not None:
       kw.update(q_positions=positions,
@@ -203,7 +217,7 @@ class CompressedSparseIndexer(hk.Module):
     scores = ops.csa_streamindex_score(
         q, k_c.astype(q.dtype), weights.astype(q.dtype),
         softmax_scale=d**-0.5, compress_rate=r, backend=self.score_backend,
-        **self.score_options, **kw)
+        precision=self.precision, **self.score_options, **kw)
     return IndexerOutput(top_k_blocks(scores, self.topk), scores, k_c)
 
 

@@ -52,10 +52,11 @@ import jax.numpy as jnp
 
 from linear_attention.modules import mixer
 from linear_attention.modules import norms
+from linear_attention.modules import pinned
 from linear_attention.modules import short_conv
 from linear_attention.ops import checks
+from linear_attention.ops import precision as precision_lib
 from linear_attention.ops.kda import api as kda_api
-from linear_attention.ops.kda import precision as precision_lib
 
 DECAYS = ("channel", "head")
 WEIGHT_STDDEV = 0.02
@@ -102,7 +103,7 @@ def validate_kda_layer_args(
         f" {num_heads}; got {num_v_heads!r}.")
   checks.boolean("allow_neg_eigval", allow_neg_eigval)
   checks.one_of("chunk_size", chunk_size, kda_api.CHUNK_SIZES, optional=True)
-  checks.one_of("precision", precision, precision_lib.NAMES)
+  precision_lib.validate(precision)
 
 
 class KDACache(NamedTuple):
@@ -197,7 +198,7 @@ class KimiDeltaAttention(hk.Module):
   chunk_size: int | None = None  # "chunked" backend's chunk; None: platform's.
   # Matmul precision of the op and the projections ("auto": float32-exact
   # for float32 activations, one bfloat16 pass for bfloat16; see
-  # linear_attention/ops/kda/precision.py).
+  # linear_attention/ops/precision.py).
   precision: str = "auto"
   name: str | None = None  # Haiku module name.
 
@@ -235,10 +236,9 @@ class KimiDeltaAttention(hk.Module):
   @hk.transparent  # no extra name scope: params are `<layer>/q_proj/w`, ...
   def _linear(self, size, name):
     """x -> x W, at the layer's precision for x's dtype."""
-    linear = hk.Linear(size, with_bias=False, name=name,
-                       w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))
-    return lambda x: linear(
-        x, precision=precision_lib.for_dtype(self.precision, x.dtype))
+    return lambda x: pinned.linear(
+        x, size, precision=self.precision, name=name,
+        w_init=hk.initializers.RandomNormal(WEIGHT_STDDEV))
 
   @hk.transparent
   def _conv_silu(self, x, name, segment_ids, tail):

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import model as model_lib
-from experiments import program as program_lib
 from experiments import tasks as tasks_lib
-from experiments import train
+from experiments.training import model as model_lib
+from experiments.training import program as program_lib
+from experiments.training import train
 
 
 def _float64(tree):

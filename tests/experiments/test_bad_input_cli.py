@@ -24,7 +24,7 @@ import pytest
 
 from configs import common as config_lib
 from configs import mqar
-from experiments import train
+from experiments.training import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -47,7 +47,8 @@ class Case:
   prefix: str | None = None  # the line's program, if not `program`'s
   # A damaged checkpoint: TensorStore's reads left in flight by orbax's
   # failed restore print "Event loop is closed" tracebacks of their own
-  # (experiments/checkpoints.py `_read`); none of ours comes before the line.
+  # (experiments/training/checkpoints.py `_read`); none of ours comes before the
+  # line.
   dependency_noise: bool = False
 
   @property
@@ -73,7 +74,7 @@ def _cases(tmp):
                        refused_first, prefix, dependency_noise)
 
   # A config file that is not there, on every command that takes one. (The
-  # flags of every command parse in one place, experiments/cli.py: the
+  # flags of every command parse in one place, experiments/tools/cli.py: the
   # other classes try each command where it has code of its own.)
   for program in (RUN, SWEEP):
     add(f"missing_config/{program}", program, missing[0], f"--workdir={out}",
@@ -109,7 +110,7 @@ def _cases(tmp):
   add(f"range/{BENCH}", BENCH, "--heads=0", f"--out={out}/b",
       names=("--heads=0",), parse=True)
   # The argparse scripts: argparse's own line for a bad flag (after its
-  # usage line), experiments/cli.py's for what main refuses.
+  # usage line), experiments/tools/cli.py's for what main refuses.
   add("range/benchmarks.decode", "benchmarks.decode", "--rounds=0",
       f"--out={out}/d.json", names=("argument --rounds", "must be an int >= 1"),
       prefix="decode.py")
@@ -299,7 +300,7 @@ def test_extending_a_constant_run_is_not_refused(tmp_path):
 
 def test_the_checks_behind_the_commands_name_the_field(tmp_path):
   # In-process, the checks some cases above reach through a command.
-  from experiments import ablate  # pylint: disable=g-import-not-at-top
+  from experiments.sweeps import ablate  # pylint: disable=g-import-not-at-top
   config = mqar.get_config("smoke")
   with pytest.raises(ValueError, match=r"model.kda: num_heads must be an int"
                      r" >= 1; got 0"):

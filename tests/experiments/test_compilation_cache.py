@@ -10,7 +10,7 @@ from absl.testing import absltest
 _PROGRAM = """
 import sys, jax, jax.numpy as jnp
 from jax._src import monitoring
-from experiments import compilation_cache
+from experiments.training import compilation_cache
 hits = []
 monitoring.register_event_listener(
     lambda event, **kw: hits.append(event)
@@ -38,7 +38,7 @@ class CompilationCacheTest(absltest.TestCase):
     self.assertGreater(_run(cache_dir), 0)
 
   def test_empty_directory_turns_it_off(self):
-    from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
+    from experiments.training import compilation_cache  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
     before = jax.config.jax_compilation_cache_dir
     compilation_cache.enable("")

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import distributed
+from experiments.training import distributed
 
 
 def test_lined_up_step_compiles_once_per_signature_and_matches_jit():

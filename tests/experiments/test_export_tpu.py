@@ -1,4 +1,4 @@
-"""experiments/export_tpu.py: a config's train step lowers for a TPU from CPU.
+"""experiments/tools/export_tpu.py: a train step lowers for a TPU from CPU.
 
 Tracing and lowering only (`jax.export` for platforms=["tpu"] inside
 `mosaic.lowering_mode`); nothing is compiled or run. Each export takes a few
@@ -30,8 +30,8 @@ import pytest
 from configs import common as config_lib
 from configs import delayed_copy
 from configs import mqar
-from experiments import export_tpu
-from experiments import program as program_lib
+from experiments.tools import export_tpu
+from experiments.training import program as program_lib
 from linear_attention import ops
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import tokamax_kernel

@@ -16,9 +16,9 @@ import pytest
 
 from configs import common as config_lib
 from configs import mqar
-from experiments import checkpoints
-from experiments import metrics as metrics_lib
-from experiments import train
+from experiments.training import checkpoints
+from experiments.training import metrics as metrics_lib
+from experiments.training import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))

@@ -15,8 +15,8 @@ import pytest
 
 from configs import common as config_lib
 from configs import text as text_config
-from experiments import generation
-from experiments import model as model_lib
+from experiments.tools import generation
+from experiments.training import model as model_lib
 from linear_attention import testing
 
 VOCAB = 24

@@ -4,7 +4,7 @@ A toy mixer (a causal running mean over each document) is written here as a
 new mixer would be (its module, its cache, its `Mixer` entry), registered,
 and trained through the experiment path every mixer takes: a config file's
 `get_config`, `model.mixer` naming it (alone and in a hybrid pattern), and
-`experiments.train.train_and_evaluate`. Its cache obeys the contract (a
+`experiments.training.train.train_and_evaluate`. Its cache obeys the contract (a
 prefill plus decode steps give the full forward's logits), and the code
 above the mixers asks its capabilities: it has no context parallelism, so a
 context mesh is refused naming it.
@@ -22,9 +22,9 @@ import pytest
 
 from configs import common as config_lib
 from configs import mqar
-from experiments import model as model_lib
-from experiments import program as program_lib
-from experiments import train
+from experiments.training import model as model_lib
+from experiments.training import program as program_lib
+from experiments.training import train
 from linear_attention import testing
 from linear_attention.modules import mixer
 from linear_attention.modules import registry

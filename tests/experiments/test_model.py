@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import mqar
 from configs import common as config_lib
-from experiments import model as model_lib
+from configs import mqar
+from experiments.training import model as model_lib
 
 T, V = 16, 32
 

@@ -7,8 +7,8 @@ config (in this process, on its simulated devices) is the reference: every
 loss and accuracy a two-process run logs must match it (losses to rounding,
 accuracies up to near-ties), up to step 3 where the run is killed and after
 it resumes from the checkpoint both processes wrote. Each process lines up with the other after compiling each step
-(experiments/program.py): without it, a loaded machine's compile-time skew
-outlasts gloo's 30-second rendezvous.
+(experiments/training/program.py): without it, a loaded machine's compile-time
+skew outlasts gloo's 30-second rendezvous.
 """
 
 import json
@@ -23,9 +23,9 @@ import pytest
 
 from configs import common as config_lib
 from configs import mqar
-from experiments import checkpoints
-from experiments import program as program_lib
-from experiments import train
+from experiments.training import checkpoints
+from experiments.training import program as program_lib
+from experiments.training import train
 from tests.experiments import argmax_ties
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(

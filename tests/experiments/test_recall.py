@@ -11,8 +11,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments import recall
 from experiments import tasks
+from experiments.sweeps import recall
 from experiments.tasks import stack as stack_lib
 
 

@@ -13,13 +13,14 @@ import jax
 import numpy as np
 import pytest
 
+from configs import common as config_lib
 from configs import delayed_copy
 from configs import mqar
 from configs import parity
-from experiments import ablate
-from configs import common as config_lib
 from experiments import tasks as tasks_lib
-from experiments import train
+from experiments.sweeps import ablate
+from experiments.training import resume
+from experiments.training import train
 from tests import devices as test_devices
 from tests.experiments import argmax_ties
 
@@ -111,10 +112,10 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     json.dump(stored, f)
   moved = config_lib.apply_diff(config, {"model.kda.backend": "reference",
                                          "train.log_every": 5})
-  assert train.config_differences(killed, moved) == []
+  assert resume.config_differences(killed, moved) == []
   staged = config_lib.apply_diff(config,
                                  {"train.length_curriculum": ((2, 32),)})
-  assert train.config_differences(killed, staged) == [
+  assert resume.config_differences(killed, staged) == [
       "train.length_curriculum: absent (ran as []) -> [[2, 32]]"]
   summary = train.train_and_evaluate(config, killed)
   assert summary["steps_trained_this_run"] == n - (stop // every) * every

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from experiments import run_lock
+from experiments.sweeps import run_lock
 
 
 def _write_lock(run_dir, **owner):

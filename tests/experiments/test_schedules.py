@@ -9,9 +9,9 @@ import pytest
 
 from configs import common as config_lib
 from configs import mqar
-from experiments import metrics as metrics_lib
-from experiments import program as program_lib
-from experiments import train
+from experiments.training import metrics as metrics_lib
+from experiments.training import program as program_lib
+from experiments.training import train
 
 
 def _tr(schedule, **overrides):

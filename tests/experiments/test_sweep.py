@@ -14,14 +14,15 @@ import pytest
 from configs.sweeps import kimi_synthetic
 from configs.sweeps import kimi_synthetic_600steps
 from configs.sweeps import parity as sweep_parity
-from experiments import metrics
-from experiments import model as model_lib
-from experiments import program as program_lib
-from experiments import recall
-from experiments import sweep_lib
-from experiments import sweep_report
 from experiments import tasks
-from experiments import train
+from experiments.sweeps import recall
+from experiments.sweeps import sweep_lib
+from experiments.sweeps import sweep_markdown
+from experiments.sweeps import sweep_report
+from experiments.training import metrics
+from experiments.training import model as model_lib
+from experiments.training import program as program_lib
+from experiments.training import train
 from tests.experiments import argmax_ties
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -196,13 +197,13 @@ def test_the_overview_marks_runs_still_learning_under_their_rule():
                 best_accuracy=dict(mean=0.7, min=0.6, max=0.8),
                 steps_to_99=None, num_reached_99=0, statuses=statuses,
                 chance_accuracy=1 / 256)
-  loss = "\n".join(sweep_report._overview_lines(
+  loss = "\n".join(sweep_markdown._overview_lines(
       [cell("kda", {"falling at cap": 1, "converged": 1}),
        cell("gdn", {"converged": 2})]))
   assert "† where a run of the cell was still falling at its cap." in loss
   assert "| text | 256 | 0.4 | 70.0 [60.0, 80.0] (2) † | 70.0 [60.0, 80.0]" \
       " (2) |" in loss
-  accuracy = "\n".join(sweep_report._overview_lines(
+  accuracy = "\n".join(sweep_markdown._overview_lines(
       [cell("kda", {"rising at cap": 2}), cell("gdn", {"plateaued": 2})]))
   assert "still rising at its cap." in accuracy
 
@@ -261,7 +262,7 @@ def test_compare_at_equal_steps_reads_each_pair_at_the_shorter_run():
   assert eq["difference"]["max"] == pytest.approx(0.05)
   assert eq["difference"]["min"] == pytest.approx(-0.05)
   assert eq["verdict"] == "mixed"
-  lines = sweep_report._comparison_lines([c])
+  lines = sweep_markdown._comparison_lines([c])
   assert lines[-1] == ("| palindrome | 64 | kda - gdn | 2 | 100 / 200 |"
                        " +0.0 [-5.0, +5.0] | mixed | -12.5 [-20.0, -5.0] |"
                        " behind in every seed |")
@@ -286,7 +287,7 @@ def test_rates_tried_lists_every_rate_per_length_and_seed(tmp_path):
   assert att["lengths"][512] == [
       dict(seeds=[2], rates=[0.003], steps=None, best=None)]
   cells = [dict(task="stack", mixer="attention", learning_rate=0.003)]
-  lines = sweep_report._rate_lines([att], cells)
+  lines = sweep_markdown._rate_lines([att], cells)
   assert lines[-1] == ("| stack | attention | 0.003 | seed 0 at 25 steps:"
                        " 0.003 30.0, 0.01 90.0; 0.003 only (seed 1) |"
                        " 0.003 only (seed 2) |")
@@ -300,7 +301,7 @@ def test_overview_is_one_row_per_task_and_length():
                                    max=max(best)),
                 steps_to_99=steps, num_reached_99=sum(b >= 0.99 for b in best),
                 statuses=statuses)
-  lines = sweep_report._overview_lines([
+  lines = sweep_markdown._overview_lines([
       cell("kda", [1.0, 0.99], dict(mean=150.0, min=100.0, max=200.0),
            {"solved": 2}),
       cell("gdn", [0.995, 0.5], dict(mean=300.0, min=300.0, max=300.0),
@@ -311,7 +312,7 @@ def test_overview_is_one_row_per_task_and_length():
   with_base = cell("kda", [0.6])
   with_base.update(task="stack", baseline_accuracy=dict(mean=0.9, min=0.9,
                                                         max=0.9))
-  lines = sweep_report._overview_lines([with_base, cell("kda", [0.3]),
+  lines = sweep_markdown._overview_lines([with_base, cell("kda", [0.3]),
                                         cell("gdn", [0.2])])
   assert lines[-4] == "| task | T | chance % | baseline % | kda | gdn |"
   assert lines[-3] == "|---|---|---|---|---|---|"

@@ -14,12 +14,12 @@ import pytest
 
 from configs import text as text_config
 from configs.sweeps import kimi_synthetic
-from experiments import generation
-from experiments import program as program_lib
-from experiments import sweep_lib
 from experiments import tasks
-from experiments import train
+from experiments.sweeps import sweep_lib
 from experiments.tasks import text as text_lib
+from experiments.tools import generation
+from experiments.training import program as program_lib
+from experiments.training import train
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -129,8 +129,8 @@ def test_text_run_records_its_corpus_and_refuses_another(tmp_path):
 
 def test_the_text_sweeps_models_match_in_size():
   from configs.sweeps import text as text_sweep
-  from experiments import model as model_lib
-  from experiments import sweep_lib
+  from experiments.sweeps import sweep_lib
+  from experiments.training import model as model_lib
   import jax
   import jax.numpy as jnp
   counts = {}
@@ -145,9 +145,9 @@ def test_the_text_sweeps_models_match_in_size():
 
 def test_text_sweep_reports_bits_per_byte_per_length(tmp_path):
   from configs.sweeps import text as text_sweep
-  from experiments import metrics as metrics_lib
-  from experiments import sweep_lib
-  from experiments import sweep_report
+  from experiments.sweeps import sweep_lib
+  from experiments.sweeps import sweep_report
+  from experiments.training import metrics as metrics_lib
   root = _corpus(str(tmp_path / "src"))
   sweep = text_sweep.get_config("smoke")
   task = dict(sweep.cells[0]["task"], source_dir=root,
@@ -286,7 +286,8 @@ def test_bits_per_byte_at_each_length_match_a_hand_computation(tmp_path):
 
 def test_bits_per_byte_compare_per_seed_with_their_spread():
   import statistics
-  from experiments import sweep_report
+  from experiments.sweeps import sweep_markdown
+  from experiments.sweeps import sweep_report
 
   def cell(mixer, bits, steps, curves):
     return dict(task="text", seq_len=256, mixer=mixer, bits_by_seed={
@@ -318,7 +319,7 @@ def test_bits_per_byte_compare_per_seed_with_their_spread():
                              [2.0 - 2.03, 2.1 - 2.15, 2.05 - 2.08])
   assert equal["verdict"] == "lower in every seed"
   assert by[(1024, False)]["verdict"] == "lower in every seed"
-  lines = sweep_report._bits_comparison_lines(out)
+  lines = sweep_markdown._bits_comparison_lines(out)
   assert lines[-2] == ("| 256 | kda - gdn | 256 (equal steps) | 2000 / 3000"
                        " / 3000 | -0.030 / -0.050 / -0.030 | -0.037 |"
                        " 0.012 | lower in every seed |")

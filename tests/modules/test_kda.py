@@ -21,8 +21,8 @@ import tokamax
 
 from configs import common as config_common
 from configs import layers as layer_configs
-from experiments import interpret
-from experiments import model as model_lib
+from experiments.training import interpret
+from experiments.training import model as model_lib
 from linear_attention import ops
 from linear_attention import testing
 from linear_attention.modules import KDACache

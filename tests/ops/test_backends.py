@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import interpret
+from experiments.training import interpret
 from linear_attention import ops
 from linear_attention.ops import backends
 from linear_attention.ops.csa import api as csa_api

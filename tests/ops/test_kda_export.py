@@ -13,7 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import pytest
 
-from experiments import interpret
+from experiments.training import interpret
 from linear_attention import ops
 from linear_attention.ops import backends
 from linear_attention.ops.kda import api as kda_api

@@ -1,15 +1,14 @@
 """The op pins its matmul precision, whatever the process default says.
 
 A CPU computes float32 products exactly at any precision, so these tests read
-the precision every matmul is lowered with (StableHLO `dot_general`'s
-`precision = [.., ..]`), forward and backward, instead of comparing numbers;
+the precision every matmul is lowered with (`tests/lowered.py`), forward and
+backward, instead of comparing numbers;
 the numbers at the default precision are checked against float64 on whatever
 device runs the suite by tests/ops/test_kda_device_accuracy.py (on a TPU with
 `make test-tpu`).
 """
 
 import collections
-import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -20,11 +19,10 @@ import jax.numpy as jnp
 from linear_attention import ops
 from linear_attention.modules import KimiDeltaAttention
 from linear_attention.ops.kda import precision as precision_lib
+from tests import lowered
 
 P = jax.lax.Precision
 B, T, H, K = 1, 40, 2, 8
-_DOT = re.compile(r"stablehlo\.dot_general.*?(?:precision = \[(\w+), (\w+)\])?"
-                  r" : \(")
 
 
 def _inputs(dtype):
@@ -34,14 +32,9 @@ def _inputs(dtype):
 
 
 def _dot_precisions(fn, *args):
-  """Counter of (lhs, rhs) precision names over the lowered module's dots."""
-  text = jax.jit(fn).lower(*args).as_text()
-  found = collections.Counter()
-  for line in text.splitlines():
-    if "stablehlo.dot_general" in line:
-      m = _DOT.search(line)
-      found[(m.group(1) or "NONE", m.group(2) or "NONE")] += 1
-  return found
+  """Counter of (lhs, rhs) precision names over the lowered module's
+  matmuls."""
+  return collections.Counter(m.precision for m in lowered.matmuls(fn, *args))
 
 
 def _grad_of_op(precision, backend, segments=False, dtype=jnp.float32):

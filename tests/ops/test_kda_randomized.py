@@ -88,7 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import interpret
+from experiments.training import interpret
 from linear_attention import ops
 from linear_attention import testing
 from tests import kda_oracle

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from experiments import interpret
+from experiments.training import interpret
 from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda import tokamax_kernel

@@ -10,6 +10,12 @@ Block w (one compressed key per `compress_rate` tokens) is visible to query s
 iff `block_last_positions[b, w] <= q_positions[b, s]` (a block becomes
 visible at its own last token) and, when segment ids are given, the two ids
 are equal; invisible entries are -inf and get a zero gradient.
+
+Precision (`linear_attention.ops.precision`): the products q . k and their
+gradients run at the call's `precision` ("auto": HIGHEST for float32 inputs,
+one bfloat16 pass for bfloat16), whatever `jax.default_matmul_precision`
+says; the head sums over float32 relu(A) are float32-exact in every backend
+(HIGHEST in the XLA ones, elementwise in the Pallas kernels).
 """
 
 import math
@@ -20,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from linear_attention.ops import backends
 from linear_attention.ops import checks
+from linear_attention.ops import precision as precision_lib
 from linear_attention.ops.csa import common
 from linear_attention.ops.csa import pallas
 from linear_attention.ops.csa import reference
@@ -39,7 +46,7 @@ def _check(name, x, shape, what, *, integer=False):
 
 def _validate(q, k, w, *, softmax_scale, compress_rate, q_positions,
               block_last_positions, q_segment_ids, kv_segment_ids, backend,
-              options):
+              precision, options):
   checks.rank("q", q, 4, "[B, S, H, D]")
   b, s, h, d = q.shape
   checks.rank("k_compressed", k, 3, "[B, W, D]")
@@ -65,6 +72,7 @@ def _validate(q, k, w, *, softmax_scale, compress_rate, q_positions,
   if q_segment_ids is not None:
     _check("q_segment_ids", q_segment_ids, (b, s), "[B, S]", integer=True)
     _check("kv_segment_ids", kv_segment_ids, (b, nw), "[B, W]", integer=True)
+  precision_lib.validate(precision)
   for name in ("block_q", "block_w", "head_chunk"):
     checks.int_at_least(name, options.get(name), 1, optional=True)
   for name in options:  # the tuning arguments given
@@ -86,6 +94,7 @@ def csa_streamindex_score(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     backend: str = "reference",
+    precision: str = "auto",
     interpret: bool | None = None,
     block_q: int | None = None,
     block_w: int | None = None,
@@ -105,6 +114,9 @@ def csa_streamindex_score(
     q_segment_ids, kv_segment_ids: [B, S], [B, W] int (together or neither);
       packed documents: a block is visible only inside its own segment.
     backend: "reference" | "xla_chunked" | "pallas" (`BACKENDS`).
+    precision: of the q . k products, forward and backward: "auto" (HIGHEST
+      for float32 / float64 q, DEFAULT for bfloat16 / float16), "highest",
+      "high" or "default" (`linear_attention.ops.precision`).
     interpret: pallas only; True runs Pallas interpret mode on any device,
       None compiles with Mosaic (TPU only: NotImplementedError elsewhere).
     block_q: query rows per tile (xla_chunked, pallas).
@@ -127,7 +139,7 @@ def csa_streamindex_score(
             compress_rate=compress_rate, q_positions=q_positions,
             block_last_positions=block_last_positions,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            backend=backend, options=options)
+            backend=backend, precision=precision, options=options)
   b, s = q.shape[:2]
   nw = k_compressed.shape[1]
   if q_positions is None:
@@ -139,7 +151,8 @@ def csa_streamindex_score(
       q=q, k_compressed=k_compressed, weights=weights,
       softmax_scale=softmax_scale, q_positions=q_positions,
       block_last_positions=block_last_positions, q_segment_ids=q_segment_ids,
-      kv_segment_ids=kv_segment_ids, options=options,
+      kv_segment_ids=kv_segment_ids,
+      precision=precision_lib.for_dtype(precision, q.dtype), options=options,
       target=backends.target())
   return BACKENDS.resolve(backend, call).run(call)
 

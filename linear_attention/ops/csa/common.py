@@ -18,6 +18,7 @@ class Call(NamedTuple):
   block_last_positions: jax.Array  # [B, W] int
   q_segment_ids: jax.Array | None  # [B, S] int
   kv_segment_ids: jax.Array | None  # [B, W] int
+  precision: jax.lax.Precision  # of the q . k products and their gradients
   options: dict[str, Any]  # the tuning arguments given (not None)
   target: backends.Target
 
@@ -27,7 +28,8 @@ class Call(NamedTuple):
                 q_positions=self.q_positions,
                 block_last_positions=self.block_last_positions,
                 q_segment_ids=self.q_segment_ids,
-                kv_segment_ids=self.kv_segment_ids)
+                kv_segment_ids=self.kv_segment_ids,
+                precision=self.precision)
 
   def run(self, score_fn):
     """`score_fn(q, k_compressed, weights, **score_kwargs, **options)`."""

@@ -38,8 +38,8 @@ writes -inf there.
 
 Dtypes: matmul operands keep the input dtype (bf16 inputs give bf16 MXU
 matmuls; dA is cast to bf16 for the backward matmuls) and accumulate in
-float32; float32 inputs use `Precision.HIGHEST`, the exact path the tests
-check. Weights enter the kernels as float32; scores, dq/dk accumulation and
+float32, at the call's precision (HIGHEST for float32 inputs at "auto", the
+exact path the tests check). Weights enter the kernels as float32; scores, dq/dk accumulation and
 dweights are float32 throughout.
 
 On TPU the kernels compile with Mosaic; elsewhere `interpret=True` runs the
@@ -111,6 +111,7 @@ class Tiles:
   block_w: int
   head_chunk: int
   interpret: bool
+  precision: jax.lax.Precision  # of every matmul in the kernels
 
 
 def resolve_tiles(s, w, h, *, block_q=None, block_w=None, head_chunk=None):
@@ -145,11 +146,6 @@ def resolve_tiles(s, w, h, *, block_q=None, block_w=None, head_chunk=None):
         f"pallas needs head_chunk to divide H; got head_chunk={head_chunk},"
         f" H={h}.")
   return bq, bw, head_chunk
-
-
-def _precision(dtype):
-  return (jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32
-          else jax.lax.Precision.DEFAULT)
 
 
 # ------------------------------------------------------------------ kernels
@@ -325,7 +321,7 @@ def _forward(t: Tiles, qt, kt, wt, qpos, kpos, qseg, kseg):
   qmeta, kmeta = _tile_meta(qpos, kpos, qseg, kseg, t.block_q, t.block_w)
   sp = _specs(t, d, lambda b, i, j, c, *_: (b, i, j, c))
   kernel = functools.partial(_fwd_kernel, t=t, nq=nq, nk=nk,
-                             precision=_precision(qt.dtype))
+                             precision=t.precision)
   cost = cost_estimate(qt.shape[0], qt.shape[2], kt.shape[1], qt.shape[1], d,
                        qt.dtype, t, backward=False)
   return _call(
@@ -341,7 +337,7 @@ def _backward(t: Tiles, qt, kt, wt, g, qpos, kpos, qseg, kseg):
   b, nq, nk, nc = _grid_sizes(t, qt, kt)
   d = qt.shape[-1]
   qmeta, kmeta = _tile_meta(qpos, kpos, qseg, kseg, t.block_q, t.block_w)
-  prec = _precision(qt.dtype)
+  prec = t.precision
   cost = cost_estimate(qt.shape[0], qt.shape[2], kt.shape[1], qt.shape[1], d,
                        qt.dtype, t, backward=True)
   args = (qmeta, kmeta, qt, kt, wt, g, qpos, kpos, qseg, kseg)
@@ -401,8 +397,9 @@ def _pad_axis(x, axis, n, value=0, mode="constant"):
 
 
 def score_pallas(q, k_compressed, weights, *, softmax_scale, q_positions,
-                 block_last_positions, q_segment_ids=None, kv_segment_ids=None,
-                 block_q=None, block_w=None, head_chunk=None, interpret=None):
+                 block_last_positions, precision, q_segment_ids=None,
+                 kv_segment_ids=None, block_q=None, block_w=None,
+                 head_chunk=None, interpret=None):
   """See `linear_attention.ops.csa_streamindex_score`; float32 [B, S, W].
 
   Args (beyond the op's): block_q (default 128), block_w (default 512),
@@ -417,7 +414,7 @@ def score_pallas(q, k_compressed, weights, *, softmax_scale, q_positions,
   w = k_compressed.shape[1]
   bq, bw, hc = resolve_tiles(s, w, h, block_q=block_q, block_w=block_w,
                              head_chunk=head_chunk)
-  t = Tiles(float(softmax_scale), bq, bw, hc, bool(interpret))
+  t = Tiles(float(softmax_scale), bq, bw, hc, bool(interpret), precision)
   if q_segment_ids is None:
     q_segment_ids = jnp.zeros((bsz, s), jnp.int32)
     kv_segment_ids = jnp.zeros((bsz, w), jnp.int32)

@@ -40,16 +40,17 @@ def visible_mask(q_positions, block_last_positions, q_segment_ids=None,
 
 
 def score_reference(q, k_compressed, weights, *, softmax_scale, q_positions,
-                    block_last_positions, q_segment_ids=None,
+                    block_last_positions, precision, q_segment_ids=None,
                     kv_segment_ids=None):
   """See `linear_attention.ops.csa_streamindex_score`; float32 [B, S, W].
 
-  Gradients come from autodiff: `jax.nn.relu` has derivative 1[A > 0], and
-  `jnp.where` sends a zero cotangent to the masked entries.
+  q . k at `precision` (a `jax.lax.Precision`); the head sum over float32
+  relu(A) at HIGHEST. Gradients come from autodiff: `jax.nn.relu` has
+  derivative 1[A > 0], and `jnp.where` sends a zero cotangent to the masked
+  entries.
   """
   a = jnp.einsum("bshd,bwd->bshw", q, k_compressed,
-                 preferred_element_type=jnp.float32,
-                 precision=jax.lax.Precision.HIGHEST)
+                 preferred_element_type=jnp.float32, precision=precision)
   s = jnp.einsum("bsh,bshw->bsw", weights.astype(jnp.float32), jax.nn.relu(a),
                  precision=jax.lax.Precision.HIGHEST)
   mask = visible_mask(q_positions, block_last_positions, q_segment_ids,

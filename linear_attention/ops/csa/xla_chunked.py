@@ -20,8 +20,9 @@ loops recompute A tile by tile, with G = dL/dscore zeroed on masked entries
     dk       = sum_{h, s} dA q
 
 dq and dweights are written per tile; dk is a float32 carry. Operands keep
-their input dtype (bf16 in, bf16 matmuls) and accumulate in float32; float32
-inputs use `Precision.HIGHEST`.
+their input dtype (bf16 in, bf16 matmuls) and accumulate in float32; the
+products with q or k run at the call's precision (HIGHEST for float32
+inputs at "auto"), the head sums over float32 relu(A) at HIGHEST.
 """
 
 import functools
@@ -57,11 +58,6 @@ def run(call: common.Call):
   return call.run(score_xla_chunked)
 
 
-def _precision(dtype):
-  return (jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32
-          else jax.lax.Precision.DEFAULT)
-
-
 def _tile(x, t, bq):
   return jax.lax.dynamic_slice_in_dim(x, t * bq, bq, axis=1)
 
@@ -70,11 +66,10 @@ def _heads(x, c, hc):
   return jax.lax.dynamic_slice_in_dim(x, c * hc, hc, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _score(scale, bq, hc, q, k, w, qpos, kpos, qseg, kseg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _score(scale, bq, hc, prec, q, k, w, qpos, kpos, qseg, kseg):
   b, sp, h, _ = q.shape
   nw = k.shape[1]
-  prec = _precision(q.dtype)
 
   def tile(t, out):
     q_t, w_t = _tile(q, t, bq), _tile(w, t, bq).astype(_F32)
@@ -96,15 +91,14 @@ def _score(scale, bq, hc, q, k, w, qpos, kpos, qseg, kseg):
                            jnp.zeros((b, sp, nw), _F32))
 
 
-def _score_fwd(scale, bq, hc, q, k, w, qpos, kpos, qseg, kseg):
-  out = _score(scale, bq, hc, q, k, w, qpos, kpos, qseg, kseg)
+def _score_fwd(scale, bq, hc, prec, q, k, w, qpos, kpos, qseg, kseg):
+  out = _score(scale, bq, hc, prec, q, k, w, qpos, kpos, qseg, kseg)
   return out, (q, k, w, qpos, kpos, qseg, kseg)
 
 
-def _score_bwd(scale, bq, hc, res, g):
+def _score_bwd(scale, bq, hc, prec, res, g):
   q, k, w, qpos, kpos, qseg, kseg = res
   b, sp, h, d = q.shape
-  prec = _precision(q.dtype)
   hi = jax.lax.Precision.HIGHEST
 
   def tile(t, carry):
@@ -156,7 +150,7 @@ def _pad_rows(x, n, value):
 
 
 def score_xla_chunked(q, k_compressed, weights, *, softmax_scale, q_positions,
-                      block_last_positions, q_segment_ids=None,
+                      block_last_positions, precision, q_segment_ids=None,
                       kv_segment_ids=None, block_q=None, head_chunk=None):
   """See `linear_attention.ops.csa_streamindex_score`; float32 [B, S, W].
 
@@ -178,7 +172,8 @@ def score_xla_chunked(q, k_compressed, weights, *, softmax_scale, q_positions,
     weights = _pad_rows(weights, pad, 0)
     q_positions = _pad_rows(q_positions, pad, imin)
     q_segment_ids = _pad_rows(q_segment_ids, pad, 0)
-  out = _score(float(softmax_scale), bq, hc, q, k_compressed, weights,
+  out = _score(float(softmax_scale), bq, hc, precision, q, k_compressed,
+               weights,
                q_positions, block_last_positions, q_segment_ids,
                kv_segment_ids)
   return out[:, :s]

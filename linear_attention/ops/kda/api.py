@@ -383,8 +383,8 @@ def runs_interpreted(backend: str) -> bool:
 
   True when it resolves to a backend that needs a TPU ("tokamax") and this
   host is not a TPU: the kernel then runs only inside `mosaic.interpreted()`,
-  which the caller sets up (`experiments.interpret.interpret_mode`; seconds
-  per call, tiny shapes).
+  which the caller sets up (`experiments.training.interpret.interpret_mode`;
+  seconds per call, tiny shapes).
   """
   name = resolved_backend(backend)
   return (getattr(BACKENDS.backends[name], "NEEDS_TPU", False)

@@ -12,7 +12,7 @@ our own in `pallas_tpu.py`) be traced where no TPU is attached:
   (`linear_attention.ops.backends.target`) decides for that chip inside it.
 * `interpreted()`: lets a backend that needs a TPU run in Pallas interpret
   mode on any device. The process-wide switches interpret mode also needs
-  are the program's (`experiments.interpret.interpret_mode`), not the
+  are the program's (`experiments.training.interpret.interpret_mode`), not the
   library's.
 
 `off_tpu_mode()` says which mode this thread is in; a backend's
@@ -56,10 +56,11 @@ def interpreted():
   flip (it never sets the environment or replaces another package's
   functions): tokamax 0.0.17 reads `PALLAS_INTERPRET` from the environment,
   and sizes its kernel from `pltpu.get_tpu_info()` at trace time, which off
-  TPU has no chip to describe. `experiments.interpret.interpret_mode(chip)`
-  sets both for its duration and enters this context; so do the tests. Here
-  only the op's own check is lifted (otherwise `NotImplementedError` off
-  TPU), with tokamax's device check (`tokamax.config.cross_compile`).
+  TPU has no chip to describe.
+  `experiments.training.interpret.interpret_mode(chip)` sets both for its
+  duration and enters this context; so do the tests. Here only the op's own
+  check is lifted (otherwise `NotImplementedError` off TPU), with tokamax's
+  device check (`tokamax.config.cross_compile`).
 
   Yields:
     None.
@@ -171,7 +172,7 @@ def off_tpu_reason(kernel: str, device_kind: str) -> str:
   """What a backend that needs a TPU says on another device."""
   return (f"it runs {kernel}, which needs a TPU; the default device is"
           f" {device_kind}. On CPU, call it inside"
-          " `experiments.interpret.interpret_mode()` (Pallas interpret"
+          " `experiments.training.interpret.interpret_mode()` (Pallas interpret"
           " mode), export it for a TPU inside"
           " `linear_attention.ops.kda.mosaic.lowering_mode()`, or use"
           " backend='chunked'.")

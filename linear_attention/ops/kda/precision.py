@@ -7,11 +7,10 @@ output then differs from the float64 recurrence by ~4e-3 (relative L2; the
 gate's gradient by ~3e-2): three digits. So the op pins the precision of
 every matmul it runs, by group, from its `precision` argument:
 
-* "auto" (the op's default): `ACCURATE` for float32 / float64 inputs,
-  `FAST` for bfloat16 / float16 inputs (whose own rounding, ~4e-3, is
-  already larger than a one-pass matmul's);
-* "highest", "high", "default": that `jax.lax.Precision` on every group
-  (on TPU: HIGHEST is six bfloat16 passes, HIGH three, DEFAULT one);
+* a name of `linear_attention.ops.precision` (the rule every module
+  follows): "auto" (the op's default) is `ACCURATE` for float32 / float64
+  inputs and `FAST` for bfloat16 / float16 inputs; "highest", "high",
+  "default" are that `jax.lax.Precision` on every group;
 * a `Precisions` tuple: each group by hand (for tuning and benchmarks).
 
 The groups, by what a rounding error in them does:
@@ -35,9 +34,8 @@ float64 recurrence, see docs/tpu.md for its accuracy and what it costs.
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from linear_attention.ops import checks
+from linear_attention.ops import precision as shared
 
 Precision = jax.lax.Precision
 
@@ -57,8 +55,7 @@ class Precisions(NamedTuple):
 
 ACCURATE = Precisions.every(Precision.HIGHEST)
 FAST = Precisions.every(Precision.DEFAULT)
-NAMES = ("auto", "highest", "high", "default")
-_LOW_DTYPES = (jnp.bfloat16, jnp.float16)
+NAMES = shared.NAMES
 
 
 def validate(precision) -> None:
@@ -83,16 +80,4 @@ def resolve(precision, dtype) -> Precisions:
   validate(precision)
   if isinstance(precision, Precisions):
     return precision
-  if precision == "auto":
-    return FAST if jnp.dtype(dtype) in map(jnp.dtype, _LOW_DTYPES) else ACCURATE
-  return Precisions.every(Precision[precision.upper()])
-
-
-def for_dtype(name: str, dtype) -> Precision:
-  """The one `lax.Precision` a precision name gives inputs of `dtype`.
-
-  For matmuls outside the op's groups (a layer's projections): "auto" is
-  HIGHEST for float32 / float64 and DEFAULT for bfloat16 / float16 inputs.
-  """
-  checks.one_of("precision", name, NAMES)
-  return resolve(name, dtype).state
+  return Precisions.every(shared.for_dtype(precision, dtype))

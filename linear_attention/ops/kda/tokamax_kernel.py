@@ -13,8 +13,8 @@ is head-first: q, k, g [H, B, T, K], v [H, B, T, V], beta [H, B, T], states
   v5e stays refused: `V5E_MEASURED`), real or the target of
   `mosaic.lowering_mode()` (exports it for a TPU, by JAX's abstract-mesh
   cross-lowering); on any device inside `mosaic.interpreted()` (the kernel
-  in Pallas interpret mode, which `experiments.interpret.interpret_mode`
-  sets up);
+  in Pallas interpret mode, which
+  `experiments.training.interpret.interpret_mode` sets up);
 * float32 or bfloat16 inputs; K <= 256; chunk size 64; its own matmul
   precision (`precision="auto"` only); no chunk-boundary states;
 * without `segment_ids`, T must be a multiple of 64 (a decode piece that is

@@ -56,7 +56,8 @@ VERBOSE = flags.DEFINE_bool(
 # entry point), so that its --help lists it.
 flags.disclaim_key_flags()
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 _OWN_CODE = tuple(os.path.join(_ROOT, d) + os.sep
                   for d in ("configs", "experiments", "linear_attention",
                             "benchmarks")) + (
@@ -155,7 +156,7 @@ def positive_ints(text: str) -> list[int]:
 
 def output_path(text: str) -> str:
   """argparse type: a path whose folder is, or can be made, a folder."""
-  from experiments import metrics  # pylint: disable=g-import-not-at-top
+  from experiments.training import metrics  # pylint: disable=g-import-not-at-top
   try:
     metrics.check_folder(os.path.dirname(text) or ".", "its folder")
   except ValueError as e:

@@ -13,7 +13,7 @@ from absl import logging
 import numpy as np
 import tensorboardX
 
-from experiments import distributed
+from experiments.training import distributed
 
 TARGET_ACCURACY = 0.99  # "solved": steps to this held-out accuracy
 
@@ -38,7 +38,7 @@ CONVERGE_FRACTION = 0.1
 CONVERGE_FALL = 0.005
 CONVERGE_MIN_STEPS = 2000
 # Every status, and those of a run still learning at its cap (a sweep
-# extends these: experiments/sweep_lib.py).
+# extends these: experiments/sweeps/sweep_lib.py).
 STATUSES = (SOLVED, PLATEAUED, RISING, CONVERGED, FALLING)
 LEARNING = (RISING, FALLING)
 STATUS_RULES = ("accuracy", "loss")  # train.status_rule

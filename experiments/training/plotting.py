@@ -79,51 +79,79 @@ def plot_bands_by_task(
     for mixer in mixers:
       if (task, mixer) not in series:
         continue
-      x, mean, low, high, count = series[(task, mixer)]
-      pct = lambda v: [(100 if percent else 1) * a for a in v]  # as drawn
-      ax.plot(x, pct(mean), marker="o", markersize=3, color=colors[mixer],
-              label=mixer)
-      ax.fill_between(x, pct(low), pct(high), color=colors[mixer],
-                      alpha=0.2, linewidth=0)
-      seeds = (per_seed or {}).get((task, mixer))
-      if seeds:
-        nudge = 2 ** (0.05 * (mixers.index(mixer) - (len(mixers) - 1) / 2))
-        dots = [(xi * nudge if log_x else xi, v)
-                for xi, vals in zip(x, seeds) for v in vals]
-        ax.plot([d[0] for d in dots], pct([d[1] for d in dots]),
-                linestyle="none", marker=".", markersize=4, alpha=0.6,
-                color=colors[mixer])
-      flags = (rising or {}).get((task, mixer), ())
-      open_x = [xi for xi, f in zip(x, flags) if f]
-      if open_x:
-        ax.plot(open_x, pct([m for m, f in zip(mean, flags) if f]),
-                linestyle="none", marker="o", markersize=8,
-                markerfacecolor="none", color=colors[mixer],
-                label=RISING_LABEL)
-      if len(counts) > 1:
-        ax.annotate(f"n={count[-1]}", (x[-1], pct(mean)[-1]), fontsize=6,
-                    color=colors[mixer], xytext=(3, 0),
-                    textcoords="offset points")
-    if chance.get(task) is not None:
-      ax.axhline(pct([chance[task]])[0], color="gray", linestyle="--",
-                 linewidth=1, label="chance")
-    if log_x:
-      ax.set_xscale("log", base=2)
-      xs = sorted({v for (t, _), s in series.items() if t == task
-                   for v in s[0]})
-      ax.set_xticks(xs, [str(int(v)) for v in xs])
-    if percent:
-      ax.set_ylim(-2, 102)
-    if log_y:  # ticks as plain numbers (1.5, 2, 3), not powers of ten
-      ax.set_yscale("log")
-      ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-      ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.set_title(task)
-    ax.set_xlabel(xlabel)
-    ax.grid(alpha=0.3)
+      _draw_mixer(
+          ax, series[(task, mixer)], mixer, color=colors[mixer],
+          seeds=(per_seed or {}).get((task, mixer)),
+          rising=(rising or {}).get((task, mixer), ()),
+          nudge=2 ** (0.05 * (mixers.index(mixer) - (len(mixers) - 1) / 2)),
+          log_x=log_x, percent=percent, with_count=len(counts) > 1)
+    _finish_panel(ax, task, series, chance=chance.get(task), log_x=log_x,
+                  percent=percent, log_y=log_y, xlabel=xlabel)
   axes[0][0].set_ylabel(ylabel)
+  _legend(fig, axes[0])
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout(rect=(0, 0.06, 1, 1))
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def _as_drawn(values, percent: bool) -> list[float]:
+  """Fractions as percent with `percent`, else the values as they are."""
+  return [(100 if percent else 1) * a for a in values]
+
+
+def _draw_mixer(ax, entry, mixer: str, *, color: str, seeds, rising, nudge,
+                log_x: bool, percent: bool, with_count: bool) -> None:
+  """One mixer in one panel: its mean line and band, each seed's dots, the
+  open markers of points still rising at their cap and the seed count."""
+  x, mean, low, high, count = entry
+  pct = lambda v: _as_drawn(v, percent)
+  ax.plot(x, pct(mean), marker="o", markersize=3, color=color, label=mixer)
+  ax.fill_between(x, pct(low), pct(high), color=color, alpha=0.2,
+                  linewidth=0)
+  if seeds:
+    dots = [(xi * nudge if log_x else xi, v)
+            for xi, vals in zip(x, seeds) for v in vals]
+    ax.plot([d[0] for d in dots], pct([d[1] for d in dots]),
+            linestyle="none", marker=".", markersize=4, alpha=0.6,
+            color=color)
+  open_x = [xi for xi, f in zip(x, rising) if f]
+  if open_x:
+    ax.plot(open_x, pct([m for m, f in zip(mean, rising) if f]),
+            linestyle="none", marker="o", markersize=8,
+            markerfacecolor="none", color=color, label=RISING_LABEL)
+  if with_count:
+    ax.annotate(f"n={count[-1]}", (x[-1], pct(mean)[-1]), fontsize=6,
+                color=color, xytext=(3, 0), textcoords="offset points")
+
+
+def _finish_panel(ax, task: str, series, *, chance: float | None,
+                  log_x: bool, percent: bool, log_y: bool,
+                  xlabel: str) -> None:
+  """A task's panel after its mixers: the chance line, axes and labels."""
+  if chance is not None:
+    ax.axhline(_as_drawn([chance], percent)[0], color="gray", linestyle="--",
+               linewidth=1, label="chance")
+  if log_x:
+    ax.set_xscale("log", base=2)
+    xs = sorted({v for (t, _), s in series.items() if t == task
+                 for v in s[0]})
+    ax.set_xticks(xs, [str(int(v)) for v in xs])
+  if percent:
+    ax.set_ylim(-2, 102)
+  if log_y:  # ticks as plain numbers (1.5, 2, 3), not powers of ten
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+  ax.set_title(task)
+  ax.set_xlabel(xlabel)
+  ax.grid(alpha=0.3)
+
+
+def _legend(fig, axes) -> None:
+  """One legend below the panels: each label once, in the order drawn."""
   handles = {}
-  for ax in axes[0]:
+  for ax in axes:
     for handle, label in zip(*ax.get_legend_handles_labels()):
       handles.setdefault(label, handle)
   if RISING_LABEL in handles:  # one grey entry for every mixer's markers
@@ -132,7 +160,3 @@ def plot_bands_by_task(
         markerfacecolor="none", color="gray")
   fig.legend(handles.values(), handles.keys(), loc="lower center",
              ncol=len(handles), fontsize=7, frameon=False)
-  fig.suptitle(title, fontsize=9)
-  fig.tight_layout(rect=(0, 0.06, 1, 1))
-  fig.savefig(path)
-  plt.close(fig)

@@ -11,7 +11,7 @@ replicated over it (`Program.init`, `Program.init_opt`); every process builds
 the same global batch from the (seed, step) stream and places the blocks its
 own devices hold (`Program.put_batch`), so a run's data and numbers do not
 depend on how many processes run it. The jitted steps compile ahead and line
-the processes up (`experiments.distributed`).
+the processes up (`experiments.training.distributed`).
 """
 
 import collections
@@ -27,10 +27,10 @@ import numpy as np
 import optax
 
 from configs import validation as config_checks
-from experiments import distributed
-from experiments import metrics as metrics_lib
-from experiments import model as model_lib
 from experiments import tasks as tasks_lib
+from experiments.training import distributed
+from experiments.training import metrics as metrics_lib
+from experiments.training import model as model_lib
 from linear_attention.modules import registry
 from linear_attention.ops.kda import api as kda_api
 from linear_attention.parallel import train as parallel_train

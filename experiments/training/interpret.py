@@ -4,7 +4,7 @@ Runs tokamax's Mosaic KDA kernel on any device (tests on CPU; checking a
 config's numbers before paying for a TPU). The kernel code is the one a TPU
 runs; only the lowering differs. Seconds per call: keep shapes small.
 
-    from experiments import interpret
+    from experiments.training import interpret
     with interpret.interpret_mode():          # TPU v6e limits
       o, _ = ops.kimi_delta_attention(..., backend="tokamax")
 

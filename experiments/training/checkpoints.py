@@ -8,7 +8,7 @@ import time
 from absl import logging
 import orbax.checkpoint as ocp
 
-from experiments import distributed
+from experiments.training import distributed
 
 
 class _DropOrbaxInfo(logging_std.Filter):

@@ -28,7 +28,7 @@ where it stopped; a run directory that holds a run of a different config
 (the sweep config was edited) stops the sweep and its aggregation with a
 ValueError naming the runs and fields. Several processes may work on one
 workdir at once, on one host or several sharing it: each run is claimed
-through `<run dir>.lock` (experiments/run_lock.py: host, pid and a lease
+through `<run dir>.lock` (experiments/sweeps/run_lock.py: host, pid and a lease
 the trainer refreshes; taken over only when its owner is provably gone).
 
 Each run directory also gets `commits.txt`, the commit(s) of the code that
@@ -36,7 +36,8 @@ trained it (one line per commit, in order, when a run was resumed at
 another), passed in by the CLI; results.md says how many runs each commit
 trained.
 
-The tables and figures of a sweep's finished runs: experiments/sweep_report.py.
+The tables and figures of a sweep's finished runs:
+experiments/sweeps/sweep_report.py.
 """
 
 import copy
@@ -49,10 +50,11 @@ from typing import Sequence
 from absl import logging
 import ml_collections
 
-from experiments import checkpoints
-from experiments import metrics as metrics_lib
-from experiments import run_lock
-from experiments import train
+from experiments.sweeps import run_lock
+from experiments.training import checkpoints
+from experiments.training import metrics as metrics_lib
+from experiments.training import resume
+from experiments.training import train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +209,7 @@ def is_done(run_dir: str, config=None) -> bool:
   if config is None:
     return True
   with open(path) as f:
-    return train.is_finished(json.load(f), config)
+    return resume.is_finished(json.load(f), config)
 
 
 def progress(run_dir: str) -> str:
@@ -241,7 +243,7 @@ def progress(run_dir: str) -> str:
 def extend(runs: Sequence[Run], num_steps: int) -> list[Run]:
   """The runs with train.num_steps raised to at least `num_steps`.
 
-  Only for schedules that extend (train.EXTENDABLE_SCHEDULES): a finished
+  Only for schedules that extend (resume.EXTENDABLE_SCHEDULES): a finished
   run that did not reach stop_at_accuracy then resumes from its checkpoint.
   """
   check_extendable(runs)
@@ -256,9 +258,9 @@ def extend(runs: Sequence[Run], num_steps: int) -> list[Run]:
 def check_extendable(runs: Sequence[Run]) -> None:
   """Raises ValueError unless every run's schedule extends."""
   for run in runs:
-    if run.config.train.schedule not in train.EXTENDABLE_SCHEDULES:
+    if run.config.train.schedule not in resume.EXTENDABLE_SCHEDULES:
       raise ValueError(
-          f"extend_to needs train.schedule in {train.EXTENDABLE_SCHEDULES}"
+          f"extend_to needs train.schedule in {resume.EXTENDABLE_SCHEDULES}"
           f" (only those extend: a {run.config.train.schedule!r} rate at"
           f" every step depends on train.num_steps); {run.name} has"
           f" {run.config.train.schedule!r}: train longer runs of it in a new"
@@ -293,7 +295,7 @@ def extend_rising(runs: Sequence[Run], workdir: str, step: int,
       continue
     with open(path) as f:
       summary = json.load(f)
-    stored = train.stored_config(run_dir) or {}
+    stored = resume.stored_config(run_dir) or {}
     asked = stored.get("train", {}).get("num_steps", 0)
     steps = summary["steps"]
     status = summary.get("status")
@@ -324,8 +326,8 @@ def check_workdir(runs: Sequence[Run], workdir: str) -> None:
   """
   stale = []
   for run in runs:
-    diff = train.config_differences(os.path.join(workdir, run.name),
-                                    run.config)
+    diff = resume.config_differences(os.path.join(workdir, run.name),
+                                     run.config)
     if diff:
       stale.append(f"{run.name} ({'; '.join(diff)})")
   if stale:

@@ -18,14 +18,16 @@ and writes into `workdir`:
   `corpus.json`: a run does not resume on another corpus);
 * `accuracy.png`: held-out accuracy against step.
 
-The pieces live by concern: `experiments/program.py` (config checks, model,
-optimiser, jitted steps), `experiments/metrics.py` (the metrics log),
-`experiments/checkpoints.py` (orbax); this file is the loop.
+The pieces live by concern: `experiments/training/program.py` (config checks,
+model, optimiser, jitted steps), `experiments/training/metrics.py` (the metrics
+log), `experiments/training/checkpoints.py` (orbax),
+`experiments/training/resume.py` (whether a workdir's run is finished, and
+where it resumes); this file is the loop.
 
 Several processes (`jax.distributed.initialize` before the first JAX call,
 as `run_experiment.py` does with its distributed flags): every process runs
 this same loop on the mesh spanning all devices; the batches, parameters and
-metrics are the single-process run's (`experiments/program.py`); only
+metrics are the single-process run's (`experiments/training/program.py`); only
 process 0 writes config.json, metrics, TensorBoard, plots and the summary,
 and every process takes part in orbax's checkpoint saves and restores (the
 workdir must be a path all processes share).
@@ -44,8 +46,8 @@ one checkpoint interval and ends with the same metrics as an uninterrupted
 one (docs/reliability.md). A workdir resumes only with the config it was
 started with (ValueError naming the changed fields otherwise); the backend,
 the mesh and the logging and checkpoint intervals may change
-(`RESUMABLE_FIELDS`), and so may `train.num_steps` under a "constant" or
-"wsd" schedule (`EXTENDABLE_SCHEDULES`): a run that did not reach its
+(`resume.RESUMABLE_FIELDS`), and so may `train.num_steps` under a
+"constant" or "wsd" schedule (`resume.EXTENDABLE_SCHEDULES`): a run that did not reach its
 stop_at_accuracy then continues to the new cap as the longer run would.
 """
 
@@ -62,13 +64,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from experiments import checkpoints
-from experiments import distributed
-from experiments import metrics as metrics_lib
-from experiments import model as model_lib
-from experiments import plotting
-from experiments import program as program_lib
 from experiments import tasks as tasks_lib
+from experiments.training import checkpoints
+from experiments.training import distributed
+from experiments.training import metrics as metrics_lib
+from experiments.training import model as model_lib
+from experiments.training import plotting
+from experiments.training import program as program_lib
+from experiments.training import resume
 
 # The names the CLIs and tests use, from the modules that define them.
 build_program = program_lib.build_program
@@ -155,152 +158,6 @@ def _length_evals(config, prog, params) -> dict[str, dict[str, float]]:
                  " %.4f.", seq_len, accuracy[str(seq_len)],
                  loss[str(seq_len)])
   return dict(length_accuracy=accuracy, length_loss=loss)
-
-
-def is_finished(summary: dict[str, Any], config) -> bool:
-  """Whether a run with this summary.json needs no more steps of `config`.
-
-  It reached train.stop_at_accuracy, or trained train.num_steps (a run of
-  an extendable schedule whose num_steps was raised is not finished).
-  """
-  target = config.train.stop_at_accuracy
-  best = summary.get("best_eval_accuracy")
-  return summary["steps"] >= config.train.num_steps or (
-      target is not None and best is not None and best >= target)
-
-
-def _finished_summary(workdir: str, ckpt, config) -> dict[str, Any] | None:
-  """The summary of a run that already finished in `workdir`, else None."""
-  path = os.path.join(workdir, "summary.json")
-  if not os.path.exists(path) or ckpt.latest_step() is None:
-    return None
-  with open(path) as f:
-    previous = json.load(f)
-  if previous.get("steps") != ckpt.latest_step():
-    return None  # killed while extending: resume from the checkpoint
-  return previous if is_finished(previous, config) else None
-
-
-def stored_config(workdir: str) -> dict[str, Any] | None:
-  """The workdir's config.json as a dict; None if it has none."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def _resume_step(workdir: str, ckpt, tr, stored) -> int:
-  """The checkpoint step a run continues from (0: from the start).
-
-  The latest checkpoint, unless train.num_steps changed a "wsd" schedule:
-  then the latest one before either run's decay started (the steps up to
-  it ran at the rates of the new schedule); ValueError if there is none.
-  """
-  latest = ckpt.latest_step() or 0
-  if not latest:
-    return 0
-  if stored is None or stored["train"]["num_steps"] == tr.num_steps:
-    limit = latest
-  else:
-    limit = latest if tr.schedule == "constant" else min(
-        program_lib.decay_start(tr),
-        program_lib.decay_start(ml_collections.ConfigDict(stored["train"])))
-  start = max((s for s in ckpt.all_steps() if s <= limit), default=None)
-  if start is None:
-    raise ValueError(
-        f"train.num_steps: {workdir} has no checkpoint at or before step"
-        f" {limit}, where its \"wsd\" decay started, so it cannot be"
-        f" extended to {tr.num_steps} steps; use a new workdir.")
-  if start > tr.num_steps:
-    raise ValueError(
-        f"train.num_steps ({tr.num_steps}) must be >= the step of"
-        f" {workdir}'s checkpoint ({start}) to resume it.")
-  return start
-
-
-# Fields that may change between a run and its resumption: where and how it
-# runs, not what it computes (the backends are the same op; the mesh splits
-# the same batch; the text corpus is the same wherever its cache is, which
-# corpus.json checks), and how often it logs or saves.
-RESUMABLE_FIELDS = ("model.kda.backend", "mesh.data", "mesh.context",
-                    "task.cache_dir", "train.log_every",
-                    "train.checkpoint_every")
-
-
-# Fields added to the configs after runs were written without them, with the
-# value that reproduces what the code did before (a run directory written
-# then resumes, and counts as the same config, only where the new config
-# keeps that value).
-ADDED_FIELDS = {"train.eval_lengths": (), "train.length_curriculum": (),
-                "train.schedule": "cosine", "train.decay_fraction": 0.2,
-                "model.attention.rope": True, "model.kda.chunk_size": None,
-                "train.eval_score_last": None,
-                "train.status_rule": "accuracy"}
-
-# Schedules whose num_steps may change between a run and its resumption: a
-# constant rate does not depend on it, and a "wsd" run resumes from before
-# its decay (`_resume_step`). A cosine schedule depends on it at every step.
-EXTENDABLE_SCHEDULES = ("constant", "wsd")
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if isinstance(tree, dict):
-    out = {}
-    for key, value in tree.items():
-      out.update(_flatten(value, f"{prefix}{key}."))
-    return out
-  return {prefix[:-1]: tree}
-
-
-def config_differences(workdir: str,
-                       config: ml_collections.ConfigDict) -> list[str]:
-  """The fields where `workdir`'s config.json and `config` disagree.
-
-  One "field: stored -> new" line per difference, outside RESUMABLE_FIELDS;
-  empty when the workdir has no config.json; `train.num_steps` only counts
-  for a schedule outside EXTENDABLE_SCHEDULES. A field of ADDED_FIELDS absent
-  from the stored config ran as the code before it did: it differs only
-  where the new config sets another value. Any other field only one side
-  has is a change of code, not of config (runs record their commit).
-  """
-  stored = stored_config(workdir)
-  if stored is None:
-    return []
-  stored = _flatten(stored)
-  new = _flatten(json.loads(config.to_json_best_effort()))
-  defaults = json.loads(json.dumps(ADDED_FIELDS))  # as read back from JSON
-  lines = []
-  extendable = new.get("train.schedule") in EXTENDABLE_SCHEDULES
-  for key in sorted(new):
-    if key in RESUMABLE_FIELDS or (key == "train.num_steps" and extendable):
-      continue
-    if key in stored:
-      if stored[key] != new[key]:  # both sides read back from JSON
-        lines.append(f"{key}: {stored[key]!r} -> {new[key]!r}")
-    elif key in defaults and defaults[key] != new[key]:
-      lines.append(f"{key}: absent (ran as {defaults[key]!r}) ->"
-                   f" {new[key]!r}")
-  return lines
-
-
-def check_resumable(workdir: str, config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError if `workdir` holds a run of a different config.
-
-  Resuming another config's checkpoint (or counting its finished summary as
-  this config's) would mix two experiments in one record.
-  """
-  diff = config_differences(workdir, config)
-  if diff:
-    # num_steps differs only where the schedule does not extend.
-    extended = any(line.startswith("train.num_steps:") for line in diff)
-    hint = (f" (a run is extended by raising train.num_steps only under a"
-            f" train.schedule in {EXTENDABLE_SCHEDULES}; this one is"
-            f" {config.train.schedule!r})" if extended else "")
-    raise ValueError(
-        f"workdir {workdir} holds a run of a different config ("
-        + "; ".join(diff) + f"){hint}: use a new workdir, or remove that run"
-        " to retrain it.")
 
 
 class Prefetch:
@@ -393,24 +250,6 @@ def _fingerprint(task) -> dict[str, Any]:
   return {"corpus": task.fingerprint()} if hasattr(task, "fingerprint") else {}
 
 
-def check_corpus(workdir: str, task) -> None:
-  """Records the task's corpus in `corpus.json`; ValueError if the workdir
-  holds a run on another corpus (another Python, other files)."""
-  if not hasattr(task, "fingerprint"):
-    return
-  path = os.path.join(workdir, "corpus.json")
-  have = task.fingerprint()
-  if os.path.exists(path):
-    with open(path) as f:
-      stored = json.load(f)
-    if stored != have:
-      raise ValueError(
-          f"{workdir} holds a run on another corpus ({stored}); this config"
-          f" reads {have}. Use a new workdir.")
-  elif jax.process_index() == 0:
-    metrics_lib.write_atomic(path, json.dumps(have, indent=2))
-
-
 def _write_outputs(config, task, workdir, summary, evals) -> None:
   if jax.process_index() != 0:
     return
@@ -421,23 +260,6 @@ def _write_outputs(config, task, workdir, summary, evals) -> None:
                             [r["accuracy"] for r in evals])},
       chance=task.chance_accuracy, path=os.path.join(workdir, "accuracy.png"),
       title=f"{task.name}: {config.model.mixer} (seed {config.seed})")
-
-
-def _restore(workdir, ckpt, tr, stored, params, opt_state):
-  """(start step, params, opt_state): from the checkpoint to resume, if any.
-
-  Later checkpoints (a "wsd" run's decay steps before an extension, or
-  damaged ones) are deleted: the run rewrites those steps.
-  """
-  start = _resume_step(workdir, ckpt, tr, stored)
-  if start:
-    start, params, opt_state = checkpoints.restore_latest(
-        ckpt, start, params, opt_state)
-    logging.info("Resumed from the checkpoint at step %d in %s.", start,
-                 workdir)
-  for step in [s for s in ckpt.all_steps() if s > start]:
-    ckpt.delete(step)
-  return start, params, opt_state
 
 
 def _train_loop(config, prog, ckpt, log, eval_batches, params, opt_state,
@@ -501,7 +323,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str
   program_lib.validate_config(config)
   config = program_lib.with_canonical_names(config)  # e.g. "mosaic"
   check_folder(workdir)
-  check_resumable(workdir, config)
+  resume.check_resumable(workdir, config)
   return config
 
 
@@ -532,8 +354,8 @@ def _train_and_evaluate(config, workdir, stop_at_step):
   prog = program_lib.build_program(config)
   os.makedirs(workdir, exist_ok=True)
   task = prog.task
-  check_corpus(workdir, task)
-  stored = stored_config(workdir)
+  resume.check_corpus(workdir, task)
+  stored = resume.stored_config(workdir)
   # Every process has read the stored config before process 0 replaces it.
   distributed.line_up("config checked")
   logging.info("Task %s: T=%d, vocab %d, chance accuracy %.4f.", task.name,
@@ -554,7 +376,7 @@ def _train_and_evaluate(config, workdir, stop_at_step):
   decay_start = program_lib.decay_start(tr)
   ckpt = checkpoints.manager(
       workdir, keep_steps=() if decay_start is None else (decay_start,))
-  previous = _finished_summary(workdir, ckpt, config)
+  previous = resume.finished_summary(workdir, ckpt, config)
   if previous is not None:
     ckpt.close()
     logging.info("%s already finished (%d steps); nothing to do.", workdir,
@@ -564,8 +386,8 @@ def _train_and_evaluate(config, workdir, stop_at_step):
     metrics_lib.write_atomic(
         os.path.join(workdir, "config.json"),
         config.to_json_best_effort(indent=2, sort_keys=True))
-  start, params, opt_state = _restore(workdir, ckpt, tr, stored, params,
-                                      opt_state)
+  start, params, opt_state = resume.restore(workdir, ckpt, tr, stored,
+                                            params, opt_state)
   log = metrics_lib.MetricsLog(workdir, start,
                                writer=jax.process_index() == 0)
   last = tr.num_steps if stop_at_step is None else min(stop_at_step,

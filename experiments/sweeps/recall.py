@@ -11,8 +11,8 @@ the same sequence; its *lag* is the distance back to that token:
   `PUSH id x`); the lag runs from the POP's id token back to it.
 
 Each such task's `answer_positions(batch)` recovers those positions from
-the inputs alone (-1 where a position is not scored); `recall_profile(run_dir)` runs a
-finished run's final parameters on its held-out set and bins held-out
+the inputs alone (-1 where a position is not scored); `recall_profile(run_dir)`
+runs a finished run's final parameters on its held-out set and bins held-out
 accuracy by lag (bins [2^k, 2^(k+1))), and `sweep_recall_profiles` does that
 for every finished run of a sweep (keeping the profiles it already holds),
 writes `recall_vs_lag.json` (per run and per cell: mean, min and max over
@@ -36,12 +36,12 @@ from absl import logging
 import jax
 import numpy as np
 
-from experiments import checkpoints
-from experiments import metrics as metrics_lib
-from experiments import model as model_lib
-from experiments import plotting
-from experiments import program as program_lib
 from experiments import tasks as tasks_lib
+from experiments.training import checkpoints
+from experiments.training import metrics as metrics_lib
+from experiments.training import model as model_lib
+from experiments.training import plotting
+from experiments.training import program as program_lib
 
 # The tasks that say where each answer was written (`answer_positions`).
 RECALL_TASKS = tuple(sorted(name for name, cls in tasks_lib.TASKS.items()
@@ -177,46 +177,16 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
     with open(summary_path) as f:
       summary = json.load(f)
     chance[(run.task, run.seq_len)] = summary["chance_accuracy"]
-    prof = known.get(run.name)
-    has_rule = hasattr(tasks_lib.TASKS[run.task], "baseline_correct")
-    if (prof is not None and prof["step"] == summary["steps"]
-        and prof["count"] == held_out_counts(run.config,
-                                             eval_batches=eval_batches)
-        and ("beyond_baseline" in prof or not has_rule)):
-      # Of the final step and the same held-out set: kept, and who profiled
-      # it stays recorded.
-      prof = {**known_metadata, **prof}
-    elif checkpoints.has_checkpoint(run_dir):
-      prof = {**recall_profile(run.config, run_dir,
-                               eval_batches=eval_batches), **(metadata or {})}
-      logging.info("Recall profile of %s: accuracy %.4f at step %d.",
-                   run.name, prof["accuracy"], prof["step"])
-    else:
-      logging.warning("Run %s has no checkpoint and no profile of its"
-                      " final step; not profiled.", run.name)
+    prof = _run_profile(run, run_dir, summary["steps"],
+                        known.get(run.name), known_metadata,
+                        eval_batches=eval_batches, metadata=metadata)
+    if prof is None:
       unprofiled.append(run.name)
       continue
     per_run[run.name] = prof
     cells.setdefault((run.task, run.seq_len, run.mixer), []).append(prof)
-  records = []
-  for (task, seq_len, mixer), profs in sorted(cells.items()):
-    acc = np.array([[c / n if n else np.nan for c, n in
-                     zip(p["correct"], p["count"])] for p in profs])
-    with warnings.catch_warnings():  # a bin no seed reached stays NaN
-      warnings.simplefilter("ignore", RuntimeWarning)
-      mean, low, high = (np.nanmean(acc, 0), np.nanmin(acc, 0),
-                         np.nanmax(acc, 0))
-    beyond = [b["correct"] / b["count"] for p in profs
-              if (b := p.get("beyond_baseline")) and b["count"]]
-    records.append(dict(
-        task=task, seq_len=seq_len, mixer=mixer, seeds=len(profs),
-        lag_edges=profs[0]["lag_edges"],
-        count=np.sum([p["count"] for p in profs], 0).tolist(),
-        mean=_nan_list(mean), min=_nan_list(low), max=_nan_list(high),
-        beyond_baseline=(dict(mean=float(np.mean(beyond)),
-                              min=float(np.min(beyond)),
-                              max=float(np.max(beyond)))
-                         if beyond else None)))
+  records = [_cell_record(task, seq_len, mixer, profs)
+             for (task, seq_len, mixer), profs in sorted(cells.items())]
   out = dict(metadata=metadata or {}, runs=per_run, cells=records,
              unprofiled=unprofiled)
   metrics_lib.write_atomic(path, json.dumps(out, indent=1))
@@ -226,6 +196,53 @@ def sweep_recall_profiles(sweep, workdir: str, runs, *,
     plot_recall(records, task, mixers, chance,
                 os.path.join(workdir, f"recall_vs_lag_{task}.png"))
   return out
+
+
+def _run_profile(run, run_dir: str, steps: int, known, known_metadata, *,
+                 eval_batches: int | None, metadata: dict[str, Any] | None
+                 ) -> dict[str, Any] | None:
+  """A finished run's profile: `known` (the workdir's) when it is of the
+  run's final step (`steps`) and of the same held-out set, else one made
+  from its last checkpoint; None, logged, when it has neither."""
+  has_rule = hasattr(tasks_lib.TASKS[run.task], "baseline_correct")
+  if (known is not None and known["step"] == steps
+      and known["count"] == held_out_counts(run.config,
+                                            eval_batches=eval_batches)
+      and ("beyond_baseline" in known or not has_rule)):
+    # Of the final step and the same held-out set: kept, and who profiled
+    # it stays recorded.
+    return {**known_metadata, **known}
+  if checkpoints.has_checkpoint(run_dir):
+    prof = {**recall_profile(run.config, run_dir,
+                             eval_batches=eval_batches), **(metadata or {})}
+    logging.info("Recall profile of %s: accuracy %.4f at step %d.",
+                 run.name, prof["accuracy"], prof["step"])
+    return prof
+  logging.warning("Run %s has no checkpoint and no profile of its"
+                  " final step; not profiled.", run.name)
+  return None
+
+
+def _cell_record(task: str, seq_len: int, mixer: str,
+                 profs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """A cell's profile over its seeds: mean, min and max in every lag bin."""
+  acc = np.array([[c / n if n else np.nan for c, n in
+                   zip(p["correct"], p["count"])] for p in profs])
+  with warnings.catch_warnings():  # a bin no seed reached stays NaN
+    warnings.simplefilter("ignore", RuntimeWarning)
+    mean, low, high = (np.nanmean(acc, 0), np.nanmin(acc, 0),
+                       np.nanmax(acc, 0))
+  beyond = [b["correct"] / b["count"] for p in profs
+            if (b := p.get("beyond_baseline")) and b["count"]]
+  return dict(
+      task=task, seq_len=seq_len, mixer=mixer, seeds=len(profs),
+      lag_edges=profs[0]["lag_edges"],
+      count=np.sum([p["count"] for p in profs], 0).tolist(),
+      mean=_nan_list(mean), min=_nan_list(low), max=_nan_list(high),
+      beyond_baseline=(dict(mean=float(np.mean(beyond)),
+                            min=float(np.min(beyond)),
+                            max=float(np.max(beyond)))
+                       if beyond else None))
 
 
 def _nan_list(x) -> list[float | None]:

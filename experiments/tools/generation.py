@@ -3,7 +3,7 @@
 Every mixer keeps a constant-cost decode state: KDA and GDN their
 recurrent state and conv tails (`KDACache`), attention its key/value buffer
 (`AttentionCache`, which grows with the context), hybrids one per layer
-(`experiments.model.init_cache`). `generate` runs the prefill and the
+(`experiments.training.model.init_cache`). `generate` runs the prefill and the
 decode steps in one jitted function (`lax.scan` over the new tokens);
 `continue_text` does it for a trained text run (CLI `experiments.generate`).
 """
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from experiments import checkpoints
-from experiments import model as model_lib
-from experiments import program as program_lib
 from experiments import tasks as tasks_lib
+from experiments.training import checkpoints
+from experiments.training import model as model_lib
+from experiments.training import program as program_lib
 
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature: float,

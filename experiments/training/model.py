@@ -32,6 +32,14 @@ mixer`). Code here asks a mixer's capabilities, never which mixer it is.
   (`linear_attention.modules.attention`), the fair baseline;
 * `none`: no mixer, the MLP blocks only.
 
+Precision: `model.precision` ("auto": float32-exact matmuls for float32
+compute, one bfloat16 pass for bfloat16; `linear_attention.ops.precision`)
+is pinned on the model's own matmuls (the MLPs and the unembedding; the
+embedding is a lookup) and is the `precision` of every mixer section that
+leaves its own as None (`model.attention.precision` by default);
+`model.kda.precision` is the KDA layer's own ("auto" by default, None to
+follow the model's).
+
 Modules take plain arguments; `make_model` spreads the config once, inside
 the function given to `hk.transform`.
 """
@@ -47,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import validation as config_checks
-from experiments import interpret
+from experiments.training import interpret
+from linear_attention.modules import pinned
 from linear_attention.modules import registry
 from linear_attention.ops.kda import api as kda_api
 
@@ -60,12 +69,16 @@ class MLP(hk.Module):
   """Linear(D -> hidden) -> GELU -> Linear(hidden -> D)."""
 
   hidden: int
+  precision: str = "auto"  # of both matmuls (linear_attention/ops/precision.py)
   name: str | None = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     init = hk.initializers.TruncatedNormal(0.02)
-    y = jax.nn.gelu(hk.Linear(self.hidden, w_init=init, name="up")(x))
-    return hk.Linear(x.shape[-1], w_init=init, name="down")(y)
+    up = pinned.linear(x, self.hidden, precision=self.precision, w_init=init,
+                       with_bias=True, name="up")
+    return pinned.linear(jax.nn.gelu(up), x.shape[-1],
+                         precision=self.precision, w_init=init,
+                         with_bias=True, name="down")
 
 
 @dataclasses.dataclass
@@ -78,6 +91,9 @@ class LanguageModel(hk.Module):
   mlp_hidden: int  # MLP hidden width
   # {section: keyword arguments}: the config sections the mixers read.
   sections: Mapping[str, Mapping[str, Any]]
+  # Of the MLPs' and the unembedding's matmuls (the mixers take theirs from
+  # `sections`): linear_attention/ops/precision.py.
+  precision: str = "auto"
   name: str | None = None
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
@@ -102,11 +118,11 @@ class LanguageModel(hk.Module):
         x = x + y
       new_cache.append(layer_cache)
       y = hk.RMSNorm(-1, name=f"mlp_norm_{i}")(x)
-      x = x + MLP(self.mlp_hidden, name=f"mlp_{i}")(y)
+      x = x + MLP(self.mlp_hidden, self.precision, name=f"mlp_{i}")(y)
     x = hk.RMSNorm(-1, name="final_norm")(x)
-    logits = hk.Linear(self.vocab_size, with_bias=False,
-                       w_init=hk.initializers.TruncatedNormal(0.02),
-                       name="unembed")(x)
+    logits = pinned.linear(x, self.vocab_size, precision=self.precision,
+                           w_init=hk.initializers.TruncatedNormal(0.02),
+                           name="unembed")
     return logits if cache is None else (logits, tuple(new_cache))
 
 
@@ -122,10 +138,21 @@ def layer_entries(model) -> tuple:
   return tuple(registry.get(m) for m in layer_mixers(model))
 
 
+def _model_precision(model) -> str:
+  """`model.precision`; "auto" for a config saved before it existed."""
+  return model.get("precision", "auto")
+
+
 def _sections(model) -> dict[str, dict[str, Any]]:
-  """{section: keyword arguments} of the sections the layers' mixers read."""
-  return {e.section: model[e.section].to_dict() for e in layer_entries(model)
-          if e is not None and e.section is not None}
+  """{section: keyword arguments} of the sections the layers' mixers read;
+  a section's `precision` of None is the model's (`_model_precision`)."""
+  sections = {e.section: model[e.section].to_dict()
+              for e in layer_entries(model)
+              if e is not None and e.section is not None}
+  for keywords in sections.values():
+    if "precision" in keywords and keywords["precision"] is None:
+      keywords["precision"] = _model_precision(model)
+  return sections
 
 
 def mixers_with(model, capability: str) -> tuple:
@@ -205,7 +232,7 @@ def make_model(model, vocab_size: int) -> hk.Transformed:
   compute_dtype = jnp.dtype(model.get("compute_dtype", "float32"))
   kwargs = dict(vocab_size=vocab_size, d_model=model.d_model,
                 mixers=layer_mixers(model), mlp_hidden=model.mlp_hidden,
-                sections=_sections(model))
+                sections=_sections(model), precision=_model_precision(model))
 
   def forward(tokens, segment_ids=None, cache=None):
     return LanguageModel(name="lm", **kwargs)(tokens, segment_ids, cache)
@@ -248,15 +275,15 @@ def traces_under_check_vma(model) -> bool:
 def host_context(model):
   """What running the model on this host needs, as a context manager.
 
-  Pallas interpret mode (`experiments.interpret`: seconds per call, tiny
-  shapes only) when the op says a layer's backend runs interpreted here
+  Pallas interpret mode (`experiments.training.interpret`: seconds per call,
+  tiny shapes only) when the op says a layer's backend runs interpreted here
   (`tokamax` off TPU); nothing otherwise.
   """
   if not any(kda_api.runs_interpreted(b) for b in op_backends(model)):
     return contextlib.nullcontext()
   logging.info(
       "KDA backend %s needs a TPU and the default device is %s:"
-      " running inside experiments.interpret.interpret_mode() (Pallas"
+      " running inside experiments.training.interpret.interpret_mode() (Pallas"
       " interpret mode, slow).", kda_backend(model), jax.default_backend())
   return interpret.interpret_mode()
 
