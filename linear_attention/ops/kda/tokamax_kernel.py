@@ -93,7 +93,8 @@ def supports_target(target: backends.Target) -> str | None:
               f" v{MIN_TPU_GENERATION}+ only"
               " (PallasMosaicTpuKimiDeltaAttention.supported_on); the target"
               f" {target.device_kind!r} is TPU generation {generation}."
-              + (V5E_MEASURED if generation == 5 else ""))
+              + (V5E_MEASURED if "v5 lite" in target.device_kind.lower()
+                 else ""))
     return None
   return mosaic.off_tpu_reason(
       f"tokamax's Pallas kernel (TPU v{MIN_TPU_GENERATION}+)",
