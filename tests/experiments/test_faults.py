@@ -37,7 +37,9 @@ def _config():
 
 def _command(workdir):
   flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
-  # No compilation cache: each attempt compiles as the uninterrupted run did.
+  # `--compilation_cache_dir=`: nothing under ~/.cache; the environment
+  # names the test's cache (a cached program is the compiled one, bit for
+  # bit).
   return [sys.executable, os.path.join(REPO, "run_experiment.py"),
           "--config=configs/mqar.py:smoke", f"--workdir={workdir}",
           "--compilation_cache_dir=", *flags]
@@ -120,11 +122,11 @@ def test_sigkill_at_random_moments_resumes_to_the_uninterrupted_run(
   total = len(_scores(straight))
   rng = random.Random(0)
   kills = 0
-  # Not the suite's shared cache either (tests/conftest.py): a kill while
-  # a program is written would leave a cut entry for every later test.
-  env = {n: x for n, x in os.environ.items()
-         if n != "JAX_COMPILATION_CACHE_DIR"}
-  env["JAX_PLATFORMS"] = "cpu"
+  # The attempts share a compilation cache of their own, not the suite's
+  # (tests/conftest.py): a kill while a program is written may leave a cut
+  # entry, which a later attempt reads as a miss (a warning) and compiles.
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
   for attempt in range(12):
     logged = _lines(path)  # the next attempt may drop some (resume)
     log = open(tmp_path / f"attempt{attempt}.log", "w")
