@@ -12,7 +12,9 @@ Each backend of an op is one module with
 * optional capabilities, read through the registry: `CHECK_VMA` (False: it
   does not trace inside `jax.shard_map` with `check_vma=True`, as Pallas
   kernels of tokamax do) and `NEEDS_TPU` (True: off a TPU it runs only in
-  Pallas interpret mode).
+  Pallas interpret mode), and `auto_declines(target, call) -> None |
+  reason`: why "auto" passes over a backend that could run the call (it
+  is not measured faster there; `call` None: any call on the target).
 
 A `Registry` names an op's backends, accepts old names as aliases, and holds
 the per-platform preference list that "auto" walks. `Registry.resolve` is
@@ -22,8 +24,8 @@ fla's per-op registry lets each backend say why it cannot):
 * an explicit name runs that backend, or raises `NotImplementedError` with
   the backend's own reason;
 * "auto" runs the first backend of the target platform's list that takes
-  the call, logged once; when none does, `NotImplementedError` lists every
-  backend's reason.
+  the call and does not decline it (`auto_declines`), logged once; when
+  none does, `NotImplementedError` lists every backend's reason.
 
 Nothing else switches a backend (an op may add a rule of its own, such as
 KDA's decode pieces, in its `api.py`). `tests/test_architecture.py` keeps
@@ -220,8 +222,9 @@ class Registry:
 
   def choose(self, name: str, target_: Target, call=None) -> str:
     """The backend `name` stands for: itself, or for "auto" the first of the
-    target platform's list that takes `call` (without a call: that runs on
-    the target). NotImplementedError with every reason when none does."""
+    target platform's list that takes `call` and does not decline it
+    (without a call: that runs on the target and does not decline it).
+    NotImplementedError with every reason when none does."""
     name = self.parse(name)
     if name != AUTO:
       return name
@@ -230,6 +233,9 @@ class Registry:
       backend = self.backends[candidate]
       reason = (backend.supports_target(target_) if call is None
                 else backend.supports(call))
+      if reason is None:
+        reason = getattr(backend, "auto_declines", lambda *_: None)(
+            target_, call)
       if reason is None:
         log_once((self.op, AUTO, target_.device_kind, candidate),
                  "%s backend 'auto' on %s: %s.", self.op,

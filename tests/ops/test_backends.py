@@ -20,7 +20,7 @@ KDA = kda_api.BACKENDS
 
 @pytest.mark.parametrize("kind,expected", [
     ("TPU v6 lite", "tokamax"), ("TPU7x", "tokamax"),
-    ("TPU v5p", "chunked"), ("TPU v4", "chunked"),
+    ("TPU v5 lite", "chunked"), ("TPU v5p", "chunked"), ("TPU v4", "chunked"),
     ("cpu", "chunked"), ("NVIDIA H100 80GB HBM3", "chunked")])
 def test_auto_is_tokamax_on_tpu_v6_and_newer_only(kind, expected):
   assert kda_api.resolved_backend("auto", device_kind=kind) == expected

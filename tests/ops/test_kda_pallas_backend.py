@@ -7,8 +7,8 @@ differences): outputs, final states and every gradient (a_log and dt_bias
 included) under random cotangents, with grouped value heads, T not a
 multiple of the chunk, an initial state and beta in [0, 2]; each limit the
 backend names (`NotImplementedError` with its reason; "auto" passes over it);
-and the op exported for a TPU v5e with `backend="pallas"` (two Mosaic
-kernels in its gradient).
+the op exported for a TPU v5e with `backend="pallas"` (two Mosaic
+kernels in its gradient); and where "auto" picks it (the measured class).
 """
 
 import contextlib
@@ -20,7 +20,9 @@ import pytest
 
 from linear_attention import ops
 from linear_attention import testing
+from linear_attention.ops import backends
 from linear_attention.ops.kda import api
+from linear_attention.ops.kda import common
 from linear_attention.ops.kda import mosaic
 from tests.ops.test_kda import Case, GRAD_ARGS, loss_and_grads, make_inputs
 
@@ -100,3 +102,54 @@ def test_op_exports_for_tpu_v5e():
         jax.jit(jax.grad(loss, argnums=tuple(range(len(names))))),
         platforms=["tpu"])(*specs)
   assert exported.mlir_module().count("tpu_custom_call") == 2
+
+
+def _call(kind="TPU v5 lite", dtype="bfloat16", t=4096, h=16, kd=128,
+          precision="auto", **changes):
+  """An abstract call of the op (shapes and dtypes only) for a target."""
+  x = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+  fields = dict(
+      q=x(1, t, h, kd), k=x(1, t, h, kd), v=x(1, t, h, kd),
+      g=x(1, t, h, kd, dt="float32"), beta=x(1, t, h, dt="float32"),
+      scale=kd ** -0.5, a_log=x(h, dt="float32"),
+      dt_bias=x(h * kd, dt="float32"), lower_bound=-5.0,
+      use_gate_in_kernel=True, use_qk_l2norm=True, initial_state=None,
+      output_final_state=False, segment_ids=None, max_num_segments=None,
+      output_chunk_states=False, chunk_states_every=1, context_axis=None,
+      chunk_size=None, group_width=None, precision=precision,
+      target=backends.target(kind, off_tpu_mode="lowering"))
+  return common.Call(**dict(fields, **changes))
+
+
+@pytest.mark.parametrize("call, expected", [
+    # The class measured faster than every other backend on a v5e.
+    (_call(), "pallas"),
+    (_call(t=8192, h=32), "pallas"),
+    # Outside it on a v5e: tokamax's kernel refuses the v5e, so chunked.
+    (_call(t=2048), "chunked"),
+    (_call(h=8), "chunked"),
+    (_call(dtype="float32"), "chunked"),
+    (_call(precision="highest"), "chunked"),
+    (_call(lower_bound=None, use_gate_in_kernel=False), "chunked"),
+    # Not timed on other chips: the v6e keeps tokamax's kernel.
+    (_call(kind="TPU v6 lite"), "tokamax"),
+])
+def test_auto_picks_the_kernels_in_their_measured_class(call, expected):
+  assert api.BACKENDS.choose("auto", call.target, call) == expected
+  pallas = api.BACKENDS.backends["pallas"]
+  passed_over = pallas.supports(call) or pallas.auto_declines(call.target, call)
+  assert bool(passed_over) == (expected != "pallas"), passed_over
+
+
+def test_auto_runs_the_kernels_in_a_program_exported_for_a_v5e():
+  def forward(dtype):
+    args, kw = make_inputs(Case(b=1, t=4096, h=16, k=128, v=128,
+                                dtype=dtype))
+    specs = {n: jax.ShapeDtypeStruct(x.shape, x.dtype)
+             for n, x in args.items()}
+    f = lambda a: ops.kimi_delta_attention(**a, backend="auto", **kw)[0]
+    with mosaic.lowering_mode("v5e"):
+      return jax.export.export(jax.jit(f), platforms=["tpu"])(specs)
+
+  assert forward("bfloat16").mlir_module().count("tpu_custom_call") == 1
+  assert forward("float32").mlir_module().count("tpu_custom_call") == 0

@@ -47,7 +47,7 @@ BACKENDS = backends.Registry(
     "KDA", (reference, chunked, tokamax_kernel, pallas),
     # "mosaic": tokamax's kernel's name in older configs and saved runs.
     aliases={"mosaic": tokamax_kernel.NAME},
-    preference={"tpu": (tokamax_kernel.NAME, chunked.NAME),
+    preference={"tpu": (pallas.NAME, tokamax_kernel.NAME, chunked.NAME),
                 "default": (chunked.NAME,)})
 CHUNK_SIZES = chunked.CHUNK_SIZES  # `chunk_size` of the chunked backend
 

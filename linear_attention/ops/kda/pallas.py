@@ -18,6 +18,17 @@ over it):
 * chunk 16, 32, 64 (the default) or 128 tokens;
 * not yet: packed segments, `context_axis`, chunk-boundary states.
 
+"auto" picks this backend only inside the class of calls measured faster
+than every other backend on a chip (`auto_declines`; docs/kernel.md,
+`benchmarks/results/kda_tpu_profile_milestone_v5e.json`): a TPU v5e,
+bfloat16 q, k, v at precision "auto", K = V = 128, H a multiple of 16 and
+T >= 4096. There, at B1 T8192 H32 and B8 T4096 H16, it took 2.6 and 5.4 ms
+of device time forward (the chunked backend 5.8 ms at the first shape;
+tokamax's kernel 4.0 and 8.6 ms) and 12.0 and 24.8 ms forward and backward
+(chunked 26.9; tokamax 12.1 and 27.2). Elsewhere it has not been timed
+against the others, so "auto" passes over it; `backend="pallas"` runs it
+wherever `supports` allows.
+
 Grouped value heads arrive with q and k already repeated (`common.Call`).
 `group_width` (the chunked backend's schedule) does not apply and is not
 read. A decode piece shorter than a chunk runs the token recurrence (the
@@ -36,6 +47,12 @@ NEEDS_TPU = True  # off TPU: only in Pallas interpret mode
 CHUNKS = (16, 32, 64, 128)
 DEFAULT_CHUNK = 64
 LANES = pallas_batched.LANES
+
+
+# The measured class (see the module docstring).
+AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
+AUTO_MIN_T = 4096
+AUTO_HEADS_PER_BLOCK = 16  # faster than 8 at both measured shapes
 
 
 def supports_target(target: backends.Target) -> str | None:
@@ -79,6 +96,40 @@ def supports(call: common.Call) -> str | None:
   return None
 
 
+def auto_declines(target: backends.Target,
+                  call: common.Call | None = None) -> str | None:
+  """Why "auto" passes over the kernels for `call` (None: for any call on
+  `target`): outside the class measured faster than the other backends."""
+  if (target.platform != "tpu"
+      or AUTO_DEVICE_KIND not in target.device_kind.lower()):
+    return ("measured faster than the other backends only on a TPU v5e so"
+            f" far; the target is {target.device_kind!r}")
+  if call is None:
+    return ("chosen per call on a TPU v5e (bfloat16, K = V = 128, H a"
+            f" multiple of {AUTO_HEADS_PER_BLOCK}, T >= {AUTO_MIN_T})")
+  _, t, h, kd = call.q.shape
+  if (call.q.dtype.name != "bfloat16" or call.precision != "auto"
+      or kd != LANES or call.v.shape[-1] != LANES
+      or h % AUTO_HEADS_PER_BLOCK or t < AUTO_MIN_T):
+    return ("measured faster only for bfloat16 at precision 'auto', K = V"
+            f" = {LANES}, H a multiple of {AUTO_HEADS_PER_BLOCK} and T >="
+            f" {AUTO_MIN_T}; got {call.q.dtype.name}, precision"
+            f" {call.precision!r}, K={kd}, V={call.v.shape[-1]}, H={h},"
+            f" T={t}")
+  return None
+
+
+def heads_per_block(call: common.Call) -> int | None:
+  """Heads a grid step: 16 for bfloat16 with K = V = 128 where H allows
+  (measured faster than 8 forward and backward at both shapes above), else
+  the kernel's default (the largest divisor of H up to 8)."""
+  h, kd = call.q.shape[2:]
+  if (call.q.dtype.name == "bfloat16" and h % AUTO_HEADS_PER_BLOCK == 0
+      and kd == LANES and call.v.shape[-1] == LANES):
+    return AUTO_HEADS_PER_BLOCK
+  return None
+
+
 def run(call: common.Call):
   """The call on our kernels; `supports(call)` is None."""
   o, final = pallas_batched.kda(
@@ -88,5 +139,6 @@ def run(call: common.Call):
       use_qk_l2norm=call.use_qk_l2norm,
       precision=precision_lib.resolve(call.precision, call.q.dtype),
       chunk=call.chunk_size or DEFAULT_CHUNK,
+      heads_per_block=heads_per_block(call),
       interpret=call.target.off_tpu_mode == "interpret")
   return o, final if call.output_final_state else None
