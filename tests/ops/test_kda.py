@@ -139,13 +139,28 @@ def reference_on_host(args, kw, seed=1):
         host(args))
 
 
+# d a_log on a TPU v5e. It is one sum of B*T*K terms per head, and where the
+# terms cancel the sum keeps fewer digits than its terms: in the cases below
+# that miss 1e-5 on the chip, sum|terms| / |sum| is 32-221 (measured in
+# float64 on a CPU; 3-4 in the cases that pass there). Measured on the v5e
+# (JAX 0.12.0.1, libtpu 0.0.50.1, at e63000f) against the host's reference:
+# 1.42e-5..2.31e-5 in five float32 cases (segments and the -2.5 bound with
+# several chunk groups), 4.17e-2 with bfloat16 inputs; on a CPU the same
+# cases keep <= 5.1e-6 against float64. Every other gradient, the output
+# and the state keep the 1e-5 / 2e-2 bounds on the chip.
+TPU_DA_LOG_RTOL = {np.dtype("float32"): 3e-5, np.dtype("bfloat16"): 5e-2}
+
+
 def assert_all_close(actual, expected, rtol):
   o, s, g = actual
   o_ref, s_ref, g_ref = expected
   testing.assert_close(o, o_ref, rtol=rtol, name="output")
   testing.assert_close(s, s_ref, rtol=rtol, name="final_state")
   for name in g_ref:
-    testing.assert_close(g[name], g_ref[name], rtol=rtol, name=f"d{name}")
+    bound = rtol
+    if name == "a_log" and jax.default_backend() == "tpu":
+      bound = max(rtol, TPU_DA_LOG_RTOL[np.dtype(o.dtype)])
+    testing.assert_close(g[name], g_ref[name], rtol=bound, name=f"d{name}")
 
 
 class ReferenceVsNumpyTest(parameterized.TestCase):
