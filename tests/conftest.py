@@ -34,3 +34,45 @@ def pytest_unconfigure(config):
   path = config.stash.get(_CACHE_DIR, None)
   if path:
     shutil.rmtree(path, ignore_errors=True)
+
+
+# A ledger of finished tests (`LINEAR_ATTENTION_TEST_LEDGER`, set by
+# tests/tpu.sh): each test's outcome is appended as it finishes, and a run
+# with a ledger skips the tests it already holds. A piece cut by a time limit
+# or a crash then resumes where it stopped; nothing finished is run twice.
+_LEDGER = "LINEAR_ATTENTION_TEST_LEDGER"
+
+
+def read_ledger(path):
+  """{node id: outcome} of a ledger file (missing: empty)."""
+  done = {}
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        parts = line.rstrip("\n").split("\t")
+        if len(parts) >= 2:
+          done[parts[1]] = parts[0]
+  return done
+
+
+def pytest_collection_modifyitems(config, items):
+  path = os.environ.get(_LEDGER)
+  if not path:
+    return
+  done = read_ledger(path)
+  keep = [item for item in items if item.nodeid not in done]
+  if len(keep) < len(items):
+    config.hook.pytest_deselected(
+        items=[item for item in items if item.nodeid in done])
+    items[:] = keep
+
+
+def pytest_runtest_logreport(report):
+  path = os.environ.get(_LEDGER)
+  if not path:
+    return
+  # One line per test: its failure or skip wherever it happened, else the
+  # call's outcome (a teardown error after a pass is recorded as a failure).
+  if report.when == "call" or report.outcome != "passed":
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(f"{report.outcome}\t{report.nodeid}\t{report.duration:.2f}\n")

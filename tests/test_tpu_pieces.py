@@ -1,7 +1,10 @@
-"""tests/tpu.sh's pieces cover every test file once (the TPU suite misses none)."""
+"""tests/tpu.sh: its pieces cover every test file once (the TPU suite misses
+none), and a piece cut off mid-run resumes from its ledger."""
 
+import os
 import pathlib
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -20,3 +23,44 @@ def test_pieces_cover_every_test_file_once():
   assert sorted(rel) == every, (
       f"not in any piece: {sorted(set(every) - set(rel))}; "
       f"listed but missing: {sorted(set(rel) - set(every))}")
+
+
+CRASHY = '''
+import os, pathlib
+
+def test_passes():
+  pass
+
+def test_fails():
+  assert False
+
+def test_dies_the_first_time():
+  marker = pathlib.Path(__file__).with_name("ran_once")
+  if not marker.exists():
+    marker.touch()
+    os._exit(9)  # the process dies mid-piece, as a chip command cut off
+'''
+
+
+def test_a_cut_piece_resumes_from_its_ledger(tmp_path):
+  (tmp_path / "test_crashy.py").write_text(CRASHY)
+  ledger = tmp_path / "tpu-ledger-ops_kda.tsv"
+  env = dict(os.environ, LINEAR_ATTENTION_TEST_LEDGER=str(ledger),
+             PYTHONPATH=str(ROOT), TPU_JUNIT_DIR=str(tmp_path))
+  run = lambda: subprocess.run(
+      [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p",
+       "no:cacheprovider", "-p", "no:xdist", "-q", "test_crashy.py"],
+      cwd=tmp_path, env=env, capture_output=True, text=True)
+  first = run()
+  assert first.returncode == 9, first.stdout + first.stderr
+  outcomes = [line.split("\t")[:2] for line in ledger.read_text().splitlines()]
+  assert outcomes == [["passed", "test_crashy.py::test_passes"],
+                      ["failed", "test_crashy.py::test_fails"]]
+  second = run()  # runs only the test the crash cut off
+  assert "1 passed, 2 deselected" in second.stdout, second.stdout
+  assert len(ledger.read_text().splitlines()) == 3
+  summary = subprocess.run(["bash", str(ROOT / "tests" / "tpu.sh"),
+                            "--summary"], env=env, cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout
+  assert "ops_kda: 3 tests, 2 passed, 1 failed, 0 skipped" in summary, summary
+  assert "ops_csa: not run" in summary

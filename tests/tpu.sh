@@ -3,8 +3,13 @@
 # one TPU v5e chip (their times are recorded in docs/tpu.md once measured):
 #   tests/tpu.sh [PIECE ...]     (no PIECE: every piece in turn)
 #   tests/tpu.sh --list          (the test paths of all pieces)
+#   tests/tpu.sh --summary       (each piece's counts from its ledger)
 # One process holds the chip, so pytest runs without xdist. Compiled programs
 # are cached on disk between pieces; each piece writes its own JUnit file.
+# Each piece also keeps a ledger, tpu-ledger-<piece>.tsv (outcome, test,
+# seconds; a line as each test finishes): a piece cut by a time limit or a
+# crash resumes where it stopped when run again (the tests in its ledger are
+# not run twice); delete the ledger to run a piece from the start.
 # Environment: PYTHON (default .venv/bin/python), TPU_JUNIT_DIR (default .),
 # JAX_COMPILATION_CACHE_DIR (default ~/.cache/linear_attention/...).
 set -uo pipefail
@@ -50,6 +55,22 @@ if [ "${1:-}" = "--list" ]; then  # every piece's test files, one a line
   exit 0
 fi
 
+summary() {  # counts of one piece's ledger
+  local ledger="$junit_dir/tpu-ledger-$1.tsv"
+  [ -f "$ledger" ] || { echo "$1: not run"; return; }
+  # The last line of a test is its outcome (a resumed run never repeats it).
+  awk -F'\t' -v piece="$1" '{ o[$2] = $1; s[$2] = $3 }
+    END { for (t in o) { n[o[t]]++; total++; secs += s[t] }
+          printf "%s: %d tests, %d passed, %d failed, %d skipped, %.0f s\n",
+                 piece, total, n["passed"], n["failed"], n["skipped"], secs }' \
+    "$ledger"
+}
+
+if [ "${1:-}" = "--summary" ]; then
+  for piece in $ALL; do summary "$piece"; done
+  exit 0
+fi
+
 status=0
 for piece in ${*:-$ALL}; do
   if ! files=$(paths "$piece"); then
@@ -58,10 +79,13 @@ for piece in ${*:-$ALL}; do
   fi
   start=$(date +%s)
   # shellcheck disable=SC2086
-  "$python" -m pytest -p no:xdist -q -rs --durations=10 \
+  LINEAR_ATTENTION_TEST_LEDGER="$junit_dir/tpu-ledger-$piece.tsv" \
+    "$python" -m pytest -p no:xdist -q -rs --durations=10 \
     --junitxml="$junit_dir/tpu-tests-$piece.xml" $files
   rc=$?
+  [ "$rc" -eq 5 ] && rc=0  # every test already in the ledger
   echo "tests/tpu.sh: piece $piece exit $rc in $(( $(date +%s) - start )) s"
+  summary "$piece"
   [ "$rc" -eq 0 ] || status=$rc
 done
 exit $status
