@@ -1,6 +1,6 @@
 r"""Training steps per second of one model with each KDA backend.
 
-    python -m benchmarks.train_backends --config=mqar:tpu \
+    python -m benchmarks.train_backends --config=mqar:tpu --set=mesh.data=1 \
         --set=model.kda.head_dim=128 --set=model.compute_dtype=bfloat16 \
         --backends=chunked,pallas --steps=10 --rounds=3 --out=OUT.json
 
