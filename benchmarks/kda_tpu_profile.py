@@ -27,6 +27,10 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   inputs: the forward kernel normalises, scales and gates each block
   itself; the backward prepares in XLA (8 heads a step; `batched_hb16`
   16; `batched_strided` reads the op's layout as rows, all heads a step);
+* `batched_fused`, `batched_hb16_fused`: the same with the fused backward
+  (`fused_backward=True`: the backward kernel prepares each raw block and
+  pulls the gradients back through the preparation itself; 8 and 16 heads
+  a step);
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 """
 
@@ -53,7 +57,7 @@ from linear_attention.ops.kda import pallas_tpu
 from linear_attention.ops.kda import precision as precision_lib
 
 IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
-         "tokamax_mosaic")
+         "batched_fused", "batched_hb16_fused", "tokamax_mosaic")
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -76,7 +80,7 @@ def kernel_op(heads_per_block=None, forward=pallas_tpu.kda_forward):
   return f
 
 
-def batched_op(heads_per_block=None, strided=False):
+def batched_op(heads_per_block=None, strided=False, fused_backward=False):
   """Our batched-heads kernel on the raw inputs (preparation inside it)."""
   interpret = jax.devices()[0].platform != "tpu"
 
@@ -86,7 +90,7 @@ def batched_op(heads_per_block=None, strided=False):
         dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
         use_qk_l2norm=True, precision=precision_lib.resolve("auto", q.dtype),
         heads_per_block=heads_per_block, strided=strided,
-        interpret=interpret)
+        fused_backward=fused_backward, interpret=interpret)
     return o
   return f
 
@@ -102,6 +106,10 @@ def implementation(name):
     return batched_op(heads_per_block=16)
   if name == "batched_strided":
     return batched_op(strided=True)
+  if name == "batched_fused":
+    return batched_op(fused_backward=True)
+  if name == "batched_hb16_fused":
+    return batched_op(heads_per_block=16, fused_backward=True)
   if name == "tokamax_mosaic":
     return kda_tpu.tokamax_mosaic()
   raise ValueError(f"--impls: unknown implementation {name!r}; allowed: "

@@ -7,7 +7,10 @@ on prepared inputs as in `test_kda_pallas.py` (whose helpers this file
 shares); the export to Mosaic for TPU v5e and v6e; the limits. Measured here
 (CPU, interpret mode, K = V = 128): float32 at HIGHEST 1.9e-7..3.8e-7 on the
 output, gradients 2e-7..5e-7 except dg with every g at -5 (5.8e-6, an
-ill-conditioned case: the first kernel gives 6.6e-6 there).
+ill-conditioned case: the first kernel gives 6.6e-6 there). The fused
+backward (`kda(..., fused_backward=True)`, raw inputs) measured 0.9e-7..5.0e-7
+on every gradient (a_log and dt_bias included) in float32, and 1.8e-3..4.4e-3
+with bfloat16 inputs at one pass.
 """
 
 import jax
@@ -97,10 +100,11 @@ def test_gradients_of_bfloat16_inputs():
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("fused, strided", [(False, False), (True, False),
-                                            (True, True)])
+@pytest.mark.parametrize("fused, strided, fused_backward", [
+    (False, False, False), (True, False, False), (True, True, False),
+    (True, False, True), (True, True, True)])
 def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused,
-                                                      strided):
+                                                      strided, fused_backward):
   b, t, h, kd = 1, 200, 16, 128
   s = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
   args = (s(b, t, h, kd), s(b, t, h, kd), s(b, t, h, kd),
@@ -112,7 +116,7 @@ def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused,
     fwd = lambda *a: pallas_batched.kda(
         *a, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
         use_gate_in_kernel=True, use_qk_l2norm=True, precision=precision,
-        strided=strided)
+        strided=strided, fused_backward=fused_backward)
   else:
     fwd = lambda *a: pallas_batched.kda_forward(*a, precision=precision,
                                                 lower_bound=-5.0)
@@ -152,27 +156,32 @@ def _raw_inputs(t, h=2, kd=128, b=1, seed=0, dtype=jnp.float32):
   return (cast(q), cast(k), cast(v), g, cast(beta), s0), a_log, dt_bias
 
 
-@pytest.mark.parametrize("gated, l2norm, t, strided", [(True, True, 100, False),
-                                                       (False, True, 64, False),
-                                                       (True, False, 130, False),
-                                                       (True, True, 100, True)])
-def test_fused_preparation_forward_and_gradients(gated, l2norm, t, strided):
-  # The kernel normalises q and k, scales q and activates the lower-bound
-  # gate itself; every gradient (a_log and dt_bias included) against the
-  # float64 reference op on the same raw inputs.
-  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, seed=t)
+RAW_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "ds0", "da_log", "ddt_bias")
+
+
+def _raw_pair(t, *, gated, l2norm, h=2, init=True, dtype=jnp.float32,
+              precision=ACCURATE, **kernel_kw):
+  """(out, grads), (out64, grads64): `pallas_batched.kda` and the float64
+  `reference` op on the same raw inputs (rounded to `dtype`), under one
+  random cotangent. grads follow RAW_NAMES (None where no input)."""
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, h=h, seed=t,
+                                                       dtype=dtype)
   if not gated:
     g = -5.0 * jax.nn.sigmoid(g)  # a log decay in [-5, 0]
   if not l2norm:  # unit keys keep the delta rule contractive
-    q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    q, k = ((x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1,
+                                 keepdims=True)).astype(dtype)
+            for x in (q, k))
+  if not init:
+    s0 = None
   kw = dict(scale=128 ** -0.5, lower_bound=-5.0 if gated else None,
             use_gate_in_kernel=gated, use_qk_l2norm=l2norm)
   args = (q, k, v, g, beta, s0, a_log, dt_bias)
 
   def ours(q, k, v, g, beta, s0, a_log, dt_bias):
     return pallas_batched.kda(q, k, v, g, beta, s0, a_log=a_log,
-                              dt_bias=dt_bias, precision=ACCURATE,
-                              strided=strided, interpret=True, **kw)
+                              dt_bias=dt_bias, precision=precision,
+                              interpret=True, **kw, **kernel_kw)
 
   def reference(q, k, v, g, beta, s0, a_log, dt_bias):
     return ops.kimi_delta_attention(
@@ -183,18 +192,81 @@ def test_fused_preparation_forward_and_gradients(gated, l2norm, t, strided):
 
   rng = np.random.default_rng(1)
   do = rng.normal(size=v.shape)
-  ds = rng.normal(size=s0.shape)
+  ds = rng.normal(size=(v.shape[0], h, 128, 128))
   out, back = jax.vjp(ours, *args)
-  grads = back((jnp.asarray(do, jnp.float32), jnp.asarray(ds, jnp.float32)))
+  grads = back((jnp.asarray(do, dtype), jnp.asarray(ds, jnp.float32)))
   with jax.enable_x64(True):
-    a64 = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
+    a64 = [None if a is None else jnp.asarray(np.asarray(
+        a.astype(jnp.float32), np.float64)) for a in args]
     out64, back64 = jax.vjp(reference, *a64)
     grads64 = back64((jnp.asarray(do), jnp.asarray(ds)))
+  return (out, grads), (out64, grads64)
+
+
+@pytest.mark.parametrize("gated, l2norm, t, strided", [(True, True, 100, False),
+                                                       (False, True, 64, False),
+                                                       (True, False, 130, False),
+                                                       (True, True, 100, True)])
+def test_fused_preparation_forward_and_gradients(gated, l2norm, t, strided):
+  # The kernel normalises q and k, scales q and activates the lower-bound
+  # gate itself; every gradient (a_log and dt_bias included) against the
+  # float64 reference op on the same raw inputs.
+  (out, grads), (out64, grads64) = _raw_pair(t, gated=gated, l2norm=l2norm,
+                                             strided=strided)
   for name, x, w in zip(("output", "final_state"), out, out64):
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
-  names = ("dq", "dk", "dv", "dg", "dbeta", "ds0", "da_log", "ddt_bias")
-  for name, x, w in list(zip(names, grads, grads64))[:6 if not gated else 8]:
+  for name, x, w in list(zip(RAW_NAMES, grads, grads64))[:6 if not gated
+                                                          else 8]:
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+
+
+@pytest.mark.parametrize("gated, l2norm, t, h, hb, chunk, init, strided", [
+    (True, True, 100, 2, 2, 64, True, False),  # padded: raw gate -inf there
+    (True, True, 64, 8, 8, 32, False, False),  # 8 heads a step, no state
+    (True, True, 40, 16, 16, 32, True, False),  # 16 heads a step, padded
+    (True, True, 100, 4, 2, 64, True, False),  # two head blocks
+    (False, True, 64, 2, 2, 64, True, False),  # the log decay given
+    (True, False, 130, 2, 1, 64, True, False),  # no L2 norm, padded
+    (True, True, 100, 4, None, 64, True, True),  # strided rows
+])
+def test_fused_backward_gradients(gated, l2norm, t, h, hb, chunk, init,
+                                  strided):
+  # The backward kernel prepares the raw block and pulls every gradient
+  # back through the preparation itself, a_log and dt_bias summed over the
+  # chunks in the kernel; against the float64 reference op, at the bounds
+  # of the gradients above.
+  (out, grads), (out64, grads64) = _raw_pair(
+      t, gated=gated, l2norm=l2norm, h=h, init=init, heads_per_block=hb,
+      chunk=chunk, strided=strided, fused_backward=True)
+  for name, x, w in zip(("output", "final_state"), out, out64):
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+  checked = 0
+  for name, x, w in zip(RAW_NAMES, grads, grads64):
+    if name == "ds0" and not init or name in ("da_log", "ddt_bias") and (
+        not gated):
+      continue
+    assert x.dtype == jnp.float32, name
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+    checked += 1
+  assert checked == 5 + init + 2 * gated
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_fused_backward_gradients_of_bfloat16_inputs(strided):
+  # bfloat16 q, k, v, beta at one pass, their gradients written in bfloat16
+  # by the kernel (float32 rows when strided, cast after); the bounds of
+  # `test_gradients_of_bfloat16_inputs` (measured 1.8e-3..4.4e-3).
+  (out, grads), (out64, grads64) = _raw_pair(
+      100, gated=True, l2norm=True, h=4, dtype=jnp.bfloat16,
+      precision=FAST, heads_per_block=None if strided else 2,
+      strided=strided, fused_backward=True)
+  testing.assert_close(out[0], np.asarray(out64[0]), rtol=RTOL_BF16_OUT,
+                       name="output")
+  dtypes = (jnp.bfloat16,) * 3 + (jnp.float32, jnp.bfloat16) + (
+      jnp.float32,) * 3
+  for name, x, w, dtype in zip(RAW_NAMES, grads, grads64, dtypes):
+    assert x.dtype == dtype, name
+    testing.assert_close(x, np.asarray(w), rtol=8e-3, name=name)
 
 
 def test_fused_preparation_refuses_the_softplus_gate():

@@ -42,7 +42,15 @@ The backward kernel (`_backward_kernel`, behind a custom VJP) walks the
 chunks last to first with the state's cotangent in VMEM, recomputing each
 chunk from the chunk-start states the forward saves. `kda` takes the op's
 raw inputs and prepares them in the forward kernel; `strided=True` reads
-the op's own layout as rows (docs/kernel.md).
+the op's own layout as rows (docs/kernel.md). By default its backward
+prepares q, k and g in XLA and pulls the kernel's float32 gradients back
+through the preparation there (`jax.vjp`); `fused_backward=True` moves both
+into the backward kernel: each raw block is prepared as in the forward, the
+gradients go back through the L2 norm, the scale and the gate per block and
+are written in the inputs' dtypes, and the a_log and dt_bias gradients are
+summed over the chunks in a block that stays put along the chunk axis (on
+a TPU v5e about 7 of the 12 ms of a forward+backward were that XLA glue:
+float32 relayouts of dq, dk, dg, prepared copies, the pull-back fusions).
 
 Limits (NotImplementedError): q, k, v float32 or bfloat16 of one dtype; K and
 V multiples of 128; chunk 16 * 2^n up to 128; every g >= -5 (the fused gate
@@ -102,6 +110,11 @@ class Config:
   # free view when H fills the TPU's row tiles), every head a strided row
   # load, all H heads a step: no relayout copies around the kernel.
   strided: bool = False
+  # With `prep`: the backward kernel prepares the raw q, k, g itself and
+  # pulls its gradients back through the preparation (a_log and dt_bias
+  # summed in the kernel), writing them in the inputs' dtypes; else the
+  # backward prepares in XLA and pulls back there (`_kda_raw_bwd`).
+  fused_backward: bool = False
 
   @property
   def blocks(self) -> int:
@@ -398,20 +411,77 @@ def _chunk(q2, k2, v2, g2, beta, t: "Config", masks):
               kread=kread, v3=v3, inv=inv, powers=powers, wu=wu)
 
 
+def _unit(x2, hb, kd):
+  """Each head's 128-lane rows of x2 [C, hb*K] over their L2 norm.
+
+  Returns (x / sqrt(|x|^2 + eps), 1 / sqrt(|x|^2 + eps)) as [hb, C, K] and
+  [hb, C, 1]: `gates.l2_normalize` per head, with its epsilon.
+  """
+  x3 = _heads(x2, hb, kd)
+  inv = jax.lax.rsqrt(jnp.sum(x3 * x3, axis=2, keepdims=True)
+                      + gates.L2_NORM_EPS)
+  return x3 * inv, inv
+
+
 def _prepare_block(q2, k2, g2, rate, dtb, t: Config):
-  """The op's preparation on a raw block ([C, hb*K] float32 each)."""
+  """The op's preparation on a raw block ([C, hb*K] float32 each).
+
+  Returns the prepared (q2, k2, g2) and what `_prepare_block_backward`
+  needs (the unit rows and inverse norms, the gate's sigmoid and its
+  argument); the forward drops the latter, which costs nothing: they are
+  the preparation's own intermediates.
+  """
   hb, kd, prep = t.heads_per_block, t.key_dim, t.prep
+  saved = {}
   if prep.l2norm:
-    def unit(x):
-      x3 = _heads(x, hb, kd)
-      return _lanes(x3 * jax.lax.rsqrt(
-          jnp.sum(x3 * x3, axis=2, keepdims=True) + gates.L2_NORM_EPS))
-    q2, k2 = unit(q2), unit(k2)
+    (saved["q_unit"], saved["q_inv"]), (saved["k_unit"], saved["k_inv"]) = (
+        _unit(q2, hb, kd), _unit(k2, hb, kd))
+    q2, k2 = _lanes(saved["q_unit"]), _lanes(saved["k_unit"])
   if prep.scale != 1.0:
     q2 = q2 * prep.scale
   if prep.lower_bound is not None:
-    g2 = prep.lower_bound * jax.nn.sigmoid(rate * (g2 + dtb))
-  return q2, k2, g2
+    saved["u"] = rate * (g2 + dtb)
+    saved["sig"] = jax.nn.sigmoid(saved["u"])
+    g2 = prep.lower_bound * saved["sig"]
+  return q2, k2, g2, saved
+
+
+def _unit_backward(unit, inv, d):
+  """The L2 norm's VJP per row: (d - x_hat <x_hat, d>) / sqrt(|x|^2 + eps).
+
+  Exact for y = x r with r = (|x|^2 + eps)^(-1/2): dy/dx^T d = r d
+  - x r^3 <x, d> = r (d - y <y, d>). unit, d [hb, C, K], inv [hb, C, 1].
+  """
+  return (d - unit * jnp.sum(unit * d, axis=2, keepdims=True)) * inv
+
+
+def _prepare_block_backward(dq3, dk3, dg2, rate, saved, t: Config):
+  """Pulls the prepared-space cotangents back through `_prepare_block`.
+
+  dq3, dk3 [hb, C, K] (prepared q, k), dg2 [C, hb*K] (the log decay).
+  Returns (dq3, dk3, dg2) of the raw block and, with the fused gate, the
+  per-lane sums over the block's rows of the a_log and dt_bias terms
+  ([1, hb*K] each; None without it). With s = sigmoid(u), u = exp(a_log)
+  (g_raw + dt_bias) and g = lower_bound s: du = dg lower_bound s (1 - s),
+  dg_raw = d dt_bias = du exp(a_log), d a_log = du u. A padding token's raw
+  gate is -inf: s (1 - s) = 0 there, so dg_raw = 0, and its a_log term (0
+  times u = -inf) is taken as its limit, 0.
+  """
+  prep = t.prep
+  if prep.scale != 1.0:
+    dq3 = dq3 * prep.scale
+  if prep.l2norm:
+    dq3 = _unit_backward(saved["q_unit"], saved["q_inv"], dq3)
+    dk3 = _unit_backward(saved["k_unit"], saved["k_inv"], dk3)
+  if prep.lower_bound is None:
+    return dq3, dk3, dg2, None, None
+  sig = saved["sig"]
+  slope = sig * (1.0 - sig)
+  du = dg2 * prep.lower_bound * slope
+  dg2 = du * rate
+  da = jnp.where(slope > 0.0, du * saved["u"], 0.0)
+  return (dq3, dk3, dg2, jnp.sum(da, axis=0, keepdims=True),
+          jnp.sum(dg2, axis=0, keepdims=True))
 
 
 def _kernel(*refs, t: Config):
@@ -433,7 +503,7 @@ def _kernel(*refs, t: Config):
 
   q2, k2, g2 = _read(r["q"], t), _read(r["k"], t), _read(r["g"], t)
   if t.prep is not None:
-    q2, k2, g2 = _prepare_block(
+    q2, k2, g2, _ = _prepare_block(
         q2, k2, g2, r["rate"][...] if t.gated else None,
         r["dtb"][...] if t.gated else None, t)
   x = _chunk(q2, k2, _read(r["v"], t), g2, _read_beta(r["b"], t), t,
@@ -476,9 +546,7 @@ def _scores_backward(x, d_aqk, ds, nb, precision):
   return jnp.concatenate(dqr, axis=1), jnp.concatenate(dkr, axis=1), dkcs
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
-                     dsf_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref,
-                     dstate_ref, *, t: Config):
+def _backward_kernel(*refs, t: Config):
   """One head block's chunks last to first, dX (the state's cotangent) in VMEM.
 
   Recomputes the chunk's pieces (`_chunk`) from q, k, v, g, beta and the
@@ -492,7 +560,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
 
   the scores' products transposed per row block, and the factors'
   cotangents back to g (`_factors_backward`).
+
+  With `t.prep` (the fused backward) q, k and g are raw: the block is
+  prepared as the forward kernel does (`_prepare_block`) and the gradients
+  are pulled back through that preparation before they are written
+  (`_prepare_block_backward`); the a_log and dt_bias terms are summed over
+  the chunks into per-lane rows whose block stays put along the chunk axis.
   """
+  names = ["q", "k", "v", "g", "b"] + (["rate", "dtb"] if t.gated else [])
+  names += ["cs", "do", "dsf", "dq", "dk", "dv", "dg", "db", "ds0"]
+  names += (["da", "ddt"] if t.gated else []) + ["dstate"]
+  r = dict(zip(names, refs))
+  cs_ref, dstate_ref = r["cs"], r["dstate"]
   c, hb, kd, vd, nb = (t.chunk, t.heads_per_block, t.key_dim, t.value_dim,
                        t.blocks)
   p = t.precision
@@ -500,12 +579,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
 
   @pl.when(step == 0)  # the last chunk: dX' is the final state's cotangent
   def _():
-    dstate_ref[...] = dsf_ref[...].astype(_F32)
+    dstate_ref[...] = r["dsf"][...].astype(_F32)
+    if t.gated:  # the a_log and dt_bias sums start here
+      r["da"][...] = jnp.zeros(r["da"].shape, _F32)
+      r["ddt"][...] = jnp.zeros(r["ddt"].shape, _F32)
 
   masks = _tri_masks(c)
-  q2, k2 = _read(q_ref, t), _read(k_ref, t)
-  x = _chunk(q2, k2, _read(v_ref, t), _read(g_ref, t), _read_beta(b_ref, t),
-             t, masks)
+  q2, k2, g2 = _read(r["q"], t), _read(r["k"], t), _read(r["g"], t)
+  rate = r["rate"][...] if t.gated else None
+  if t.prep is not None:
+    q2, k2, g2, saved = _prepare_block(
+        q2, k2, g2, rate, r["dtb"][...] if t.gated else None, t)
+  x = _chunk(q2, k2, _read(r["v"], t), g2, _read_beta(r["b"], t), t, masks)
   f, wu, beta = x["f"], x["wu"], x["beta"]
   kh = lambda y: _heads(y, hb, kd)
   swap = lambda y: jnp.swapaxes(y, 1, 2)
@@ -514,7 +599,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
   w = wu[:, :, :kd]
   state = cs_ref[...]  # X [hb, K, V]
   v_new = wu[:, :, kd:] - _dot(w, state, _BATCH_NN, p.state)
-  do = _heads(_read(do_ref, t), hb, vd)
+  do = _heads(_read(r["do"], t), hb, vd)
   dnext = dstate_ref[...]  # dX'
   kend, qread = k3 * to_end3, q3 * read3
 
@@ -549,15 +634,21 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, cs_ref, do_ref,
            total=_lanes(d_total),
            rowf=_lanes(dqr * q3 + dkr * k3),
            colfs=[_lanes(dkc * k3) for dkc in dkcs])
-  _write(dq_ref, _lanes(dq), t)
-  _write(dk_ref, _lanes(dk), t)
-  _write(dv_ref, _lanes(dv), t)
-  _write(dg_ref, _factors_backward(f, d, c, nb), t)
-  _write_beta(db_ref, dbeta, t)
+  dg = _factors_backward(f, d, c, nb)
+  if t.prep is not None:
+    dq, dk, dg, da, ddt = _prepare_block_backward(dq, dk, dg, rate, saved, t)
+    if t.gated:
+      r["da"][...] += da
+      r["ddt"][...] += ddt
+  _write(r["dq"], _lanes(dq), t)
+  _write(r["dk"], _lanes(dk), t)
+  _write(r["dv"], _lanes(dv), t)
+  _write(r["dg"], dg, t)
+  _write_beta(r["db"], dbeta, t)
 
   @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
   def _():
-    ds0_ref[...] = dstate_ref[...]
+    r["ds0"][...] = dstate_ref[...]
 
 
 def _heads_per_block(h, heads_per_block, strided=False):
@@ -640,7 +731,8 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
         use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
-        heads_per_block=None, strided=False, interpret=False):
+        heads_per_block=None, strided=False, fused_backward=False,
+        interpret=False):
   """The KDA forward on the op's raw inputs, preparation inside the kernel.
 
   q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -650,7 +742,10 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   normalises q and k, scales q and activates the gate on each block, so no
   prepared copy of q, k or g is written to HBM; the backward prepares them
   in XLA, runs the backward kernel and pulls the gradients back through the
-  preparation. Returns (o [B, T, H, V] in q's dtype, final state float32).
+  preparation. With `fused_backward` the backward kernel prepares each
+  block and pulls back itself (`Config.fused_backward`): no prepared copy,
+  no float32 gradient of q, k or g goes through HBM. Returns (o [B, T, H, V]
+  in q's dtype, final state float32).
   """
   if not isinstance(precision, Precisions):
     raise ValueError(f"precision must be a Precisions; got {precision!r}.")
@@ -671,7 +766,7 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
              key_dim=kd, value_dim=v.shape[-1],
              has_initial_state=initial_state is not None,
              precision=precision, interpret=bool(interpret), prep=prep,
-             strided=bool(strided))
+             strided=bool(strided), fused_backward=bool(fused_backward))
   if not gated:
     a_log = dt_bias = None
   return _kda_raw(t, q, k, v, g, beta, initial_state, a_log, dt_bias)
@@ -717,6 +812,13 @@ def _kda_raw_fwd(t, q, k, v, g, beta, initial_state, a_log, dt_bias):
 def _kda_raw_bwd(t, residuals, cotangents):
   q, k, v, g, beta, initial_state, a_log, dt_bias, states = residuals
   do, dfinal = cotangents
+  cast = lambda x, like: None if like is None else x.astype(like.dtype)
+  if t.fused_backward:
+    dq, dk, dv, dg, dbeta, ds0, da, ddt = _backward(
+        t, q, k, v, g, beta, states, do, dfinal, a_log, dt_bias)
+    return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
+            cast(dbeta, beta), cast(ds0, initial_state), cast(da, a_log),
+            cast(ddt, dt_bias))
   (qp, kp, gp), pull = jax.vjp(
       lambda q, k, g, a, d: _prepared(t, q, k, g, a, d), q, k, g, a_log,
       dt_bias)
@@ -725,7 +827,6 @@ def _kda_raw_bwd(t, residuals, cotangents):
                                             do, dfinal)
   dq, dk, dg, da, ddt = pull((dqp.astype(qp.dtype), dkp.astype(kp.dtype),
                               dgp))
-  cast = lambda x, like: None if like is None else x.astype(like.dtype)
   return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
           cast(dbeta, beta), cast(ds0, initial_state), cast(da, a_log),
           cast(ddt, dt_bias))
@@ -771,6 +872,13 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
                      chunk_state=chunk_state, lanes=lanes), views
 
 
+def _gate_lanes(a_log, dt_bias, kd):
+  """The fused gate's exp(a_log) per lane and dt_bias, as [1, H*K] rows."""
+  h = a_log.shape[0]
+  rate = jnp.repeat(jnp.exp(a_log.astype(_F32)), kd).reshape(1, h * kd)
+  return [rate, dt_bias.astype(_F32).reshape(1, h * kd)]
+
+
 def _params(budget):
   return pltpu.CompilerParams(
       dimension_semantics=("parallel", "arbitrary"),
@@ -802,8 +910,7 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
           view["beta"](beta)]
   if t.gated:
     in_specs += [spec["lanes"], spec["lanes"]]
-    rate = jnp.repeat(jnp.exp(a_log.astype(_F32)), kd).reshape(1, h * kd)
-    args += [rate, dt_bias.astype(_F32).reshape(1, h * kd)]
+    args += _gate_lanes(a_log, dt_bias, kd)
   if t.has_initial_state:
     in_specs.append(spec["state"])
     args.append(initial_state.astype(_F32).reshape(b * h, kd, vd))
@@ -829,35 +936,71 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _backward(t: Config, q, k, v, g, beta, states, do, dfinal):
+def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
+              dt_bias=None):
+  """(dq, dk, dv, dg, dbeta, d initial state[, d a_log, d dt_bias]).
+
+  Without `t.prep`, on prepared inputs, the gradients in float32. With it
+  (the fused backward), on the raw inputs as `_forward` takes them: the
+  gradients of q, k, v and g in their dtypes (float32 when `t.strided`: a
+  strided store of 16-bit rows has no Mosaic lowering), and with the fused
+  gate also those of a_log [H] and dt_bias [H*K], float32.
+  """
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
   hb = t.heads_per_block
   n, tp, spec, view = _specs(t, b, seq, h, reverse=True)
-  # Padding (k = v = beta = g = 0, dO = 0) adds nothing to any gradient.
-  q, k, v, g, beta, do = pallas_tpu._pad_time(tp, q, k, v, g, beta, do)
+  # Padding (k = v = beta = 0, dO = 0, a log decay of 0: g = 0, or a raw
+  # gate of -inf through the fused gate) adds nothing to any gradient.
+  q, k, v, beta, do = pallas_tpu._pad_time(tp, q, k, v, beta, do)
+  if tp != seq:
+    g = jnp.pad(g, [(0, 0), (0, tp - seq), (0, 0), (0, 0)],
+                constant_values=-jnp.inf if t.gated else 0.0)
   tok = spec["tok"]
-  in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
-              spec["chunk_state"], tok(vd), spec["state"]]
+  in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
   args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
-          view["beta"](beta), states, view["tok"](do),
-          dfinal.astype(_F32).reshape(b * h, kd, vd)]
-  shape = lambda d: jax.eval_shape(
-      view["tok"], jax.ShapeDtypeStruct((b, tp, h, d), _F32))
+          view["beta"](beta)]
+  if t.gated:
+    in_specs += [spec["lanes"], spec["lanes"]]
+    args += _gate_lanes(a_log, dt_bias, kd)
+  in_specs += [spec["chunk_state"], tok(vd), spec["state"]]
+  args += [states, view["tok"](do), dfinal.astype(_F32).reshape(b * h, kd, vd)]
+  if t.prep is None or t.strided:
+    dtype = lambda x: _F32
+  else:
+    dtype = lambda x: x.dtype
+  shape = lambda d, x: jax.eval_shape(
+      view["tok"], jax.ShapeDtypeStruct((b, tp, h, d), dtype(x)))
   db_shape = jax.eval_shape(view["beta"],
                             jax.ShapeDtypeStruct((b, tp, h), _F32))
-  dq, dk, dv, dg, db, ds0 = pl.pallas_call(
+  out_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
+               spec["state"]]
+  out_shape = [shape(kd, q), shape(kd, k), shape(vd, v), shape(kd, g),
+               db_shape, jax.ShapeDtypeStruct((b * h, kd, vd), _F32)]
+  if t.gated:  # per-lane sums, resident along the (arbitrary) chunk axis
+    nh = h // hb
+    sums = pl.BlockSpec((pl.squeezed, 1, hb * kd),
+                        lambda i, j: (i // nh, 0, i % nh))
+    out_specs += [sums, sums]
+    out_shape += [jax.ShapeDtypeStruct((b, 1, h * kd), _F32)] * 2
+  out = pl.pallas_call(
       functools.partial(_backward_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=0, grid=(b * (h // hb), n), in_specs=in_specs,
-          out_specs=[tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
-                     spec["state"]],
+          out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
-      out_shape=[shape(kd), shape(kd), shape(vd), shape(kd), db_shape,
-                 jax.ShapeDtypeStruct((b * h, kd, vd), _F32)],
+      out_shape=out_shape,
       compiler_params=_params(2 * vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
   )(*args)
+  dq, dk, dv, dg, db, ds0 = out[:6]
   unflat = lambda x, d: view["untok"](x, d)[:, :seq]
-  return (unflat(dq, kd), unflat(dk, kd), unflat(dv, vd), unflat(dg, kd),
-          view["unbeta"](db)[:, :seq], ds0.reshape(b, h, kd, vd))
+  grads = (unflat(dq, kd), unflat(dk, kd), unflat(dv, vd), unflat(dg, kd),
+           view["unbeta"](db)[:, :seq], ds0.reshape(b, h, kd, vd))
+  if t.prep is None:
+    return grads
+  if not t.gated:
+    return (*grads, None, None)
+  da, ddt = out[6:]
+  return (*grads, jnp.sum(da.reshape(b, h, kd), axis=(0, 2)),
+          jnp.sum(ddt, axis=(0, 1)))
