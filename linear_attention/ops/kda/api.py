@@ -359,7 +359,9 @@ def resolved_backend(backend: str = "auto", *,
   of `mosaic.lowering_mode` in context, or `device_kind` (e.g. "TPU v6
   lite"). What experiments record and report. A call that backend cannot
   take (e.g. T not a multiple of 64 on "tokamax") makes "auto" take the
-  next one, logged.
+  next one, and a backend "auto" picks per call only (`pallas` on a TPU
+  v5e, in its measured class) is not named here; both are logged when they
+  happen.
   """
   return BACKENDS.choose(backend, _target(device_kind))
 
