@@ -260,6 +260,8 @@ def test_fused_backward_gradients_of_bfloat16_inputs(strided):
       100, gated=True, l2norm=True, h=4, dtype=jnp.bfloat16,
       precision=FAST, heads_per_block=None if strided else 2,
       strided=strided, fused_backward=True)
+  # The output in the inputs' dtype (strided: float32 rows, cast after).
+  assert out[0].dtype == jnp.bfloat16
   testing.assert_close(out[0], np.asarray(out64[0]), rtol=RTOL_BF16_OUT,
                        name="output")
   dtypes = (jnp.bfloat16,) * 3 + (jnp.float32, jnp.bfloat16) + (

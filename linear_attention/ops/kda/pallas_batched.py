@@ -914,8 +914,12 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   if t.has_initial_state:
     in_specs.append(spec["state"])
     args.append(initial_state.astype(_F32).reshape(b * h, kd, vd))
+  # Strided, the output is written as float32 rows and cast after: Mosaic
+  # has no strided store of 16-bit data (on a v5e: "Strided store with non
+  # 32-bit data", docs/kernel.md).
+  o_dtype = _F32 if t.strided else q.dtype
   o_view = jax.eval_shape(view["tok"], jax.ShapeDtypeStruct(
-      (b, tp, h, vd), q.dtype))
+      (b, tp, h, vd), o_dtype))
   out_specs = [tok(vd), spec["state"]]
   out_shape = [o_view, jax.ShapeDtypeStruct((b * h, kd, vd), _F32)]
   if t.save_states:
@@ -931,7 +935,7 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
       compiler_params=_params(vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
   )(*args)
-  o = view["untok"](out[0], vd)[:, :seq]
+  o = view["untok"](out[0], vd)[:, :seq].astype(q.dtype)
   return (o, out[1].reshape(b, h, kd, vd), *out[2:])
 
 
