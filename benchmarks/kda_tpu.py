@@ -34,6 +34,8 @@ interrupted run keeps what it measured) and prints a markdown table.
   forward and forward+backward (the backward kernel).
 * `table`: B1 T8192 H32 K128 and B8 T4096 H16 K128, bfloat16 and float32,
   ours at "default" and at "highest" precision and tokamax `xla_chunked`,
+  and on a TPU also our Pallas kernels (backend `pallas`, precision "auto")
+  and tokamax's (`mosaic`, its generation check lifted),
   forward and forward+backward, in ms and as a fraction of the chip's
   measured bfloat16 matmul rate (8192^3, this process) by the Kimi Linear
   FLOP count (`kda_speed.kda_flops`; forward+backward counted 3x).
@@ -391,6 +393,9 @@ def phase_table(a, save, rate):
                "ours_highest": _mode_fn(op(precision="highest"), mode),
                "tokamax_xla_chunked": _mode_fn(
                    kda_speed.tokamax_impl("xla_chunked"), mode)}
+        if jax.default_backend() == "tpu":  # the Pallas kernels, compiled
+          fns["ours_pallas"] = _mode_fn(op(backend="pallas"), mode)
+          fns["tokamax_mosaic"] = _mode_fn(tokamax_mosaic(), mode)
         info = _time_group(fns, args, a.repeats)
         for name, r in info.items():
           rows.append(dict(shape=shape, dtype=dtype, mode=mode, impl=name,
