@@ -32,7 +32,8 @@ test: $(STAMP)
 # On a TPU host (after `pip install -r requirements/lock-tpu.txt` and
 # `pip install --no-deps -e .`): the suite on the chip, one process a piece
 # (one process holds the chip; tests/tpu.sh; PIECES=ops_kda runs one), compiled programs cached
-# on disk; per-piece outcomes in tpu-tests-<piece>.xml.
+# on disk; per-run outcomes in tpu-tests-<piece>-<time>.xml, per piece in
+# tpu-ledger-<piece>.tsv (a cut piece resumes when run again).
 PIECES ?=
 test-tpu:
 	PYTHON=$(PYTHON_TPU) tests/tpu.sh $(PIECES)

@@ -9,8 +9,8 @@ script builds the config's training program once per backend
 (`model.kda.backend`), compiles each, then in every round runs `--steps`
 steps of each backend in turn on the same batches, fetching the metrics
 once at the end (the training loop's own rhythm), so a slow spell of the
-machine hits every backend alike; the ratio to the first backend is taken
-within each round (paired). A backend that cannot take the model's calls is
+machine hits every backend alike; the ratio to the first backend that ran
+is taken within each round (paired). A backend that cannot take the model's calls is
 reported with its reason (the op's `NotImplementedError`), not timed: our
 kernels, for one, need K and V multiples of 128 and the fused lower-bound
 gate. Off a TPU, `pallas` and `tokamax` run in Pallas interpret mode

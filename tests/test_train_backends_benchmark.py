@@ -30,4 +30,4 @@ def test_smoke_times_each_backend(tmp_path):
   rows = json.loads(out.read_text())["backends"]
   for backend in ("chunked", "pallas"):
     assert rows[backend]["median_step_ms"] > 0, rows
-  assert rows["chunked"]["median_ratio_to_first"] == 1.0
+  assert rows["pallas"]["median_ratio_to_first"] > 0, rows

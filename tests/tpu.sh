@@ -5,11 +5,13 @@
 #   tests/tpu.sh --list          (the test paths of all pieces)
 #   tests/tpu.sh --summary       (each piece's counts from its ledger)
 # One process holds the chip, so pytest runs without xdist. Compiled programs
-# are cached on disk between pieces; each piece writes its own JUnit file.
-# Each piece also keeps a ledger, tpu-ledger-<piece>.tsv (outcome, test,
-# seconds; a line as each test finishes): a piece cut by a time limit or a
-# crash resumes where it stopped when run again (the tests in its ledger are
-# not run twice); delete the ledger to run a piece from the start.
+# are cached on disk between pieces; each run of a piece writes its own
+# JUnit file, tpu-tests-<piece>-<UTC time>.xml. Each piece also keeps a
+# ledger, tpu-ledger-<piece>.tsv (outcome, test, seconds; a line as each
+# test finishes): a piece cut by a time limit or a crash resumes where it
+# stopped when run again (the tests in its ledger are not run twice), and
+# its exit status counts every failure in the ledger, not only this run's;
+# delete the ledger to run a piece from the start.
 # Environment: PYTHON (default .venv/bin/python), TPU_JUNIT_DIR (default .),
 # JAX_COMPILATION_CACHE_DIR (default ~/.cache/linear_attention/...).
 set -uo pipefail
@@ -79,11 +81,19 @@ for piece in ${*:-$ALL}; do
   fi
   start=$(date +%s)
   # shellcheck disable=SC2086
-  LINEAR_ATTENTION_TEST_LEDGER="$junit_dir/tpu-ledger-$piece.tsv" \
+  ledger="$junit_dir/tpu-ledger-$piece.tsv"
+  LINEAR_ATTENTION_TEST_LEDGER="$ledger" \
     "$python" -m pytest -p no:xdist -q -rs --durations=10 \
-    --junitxml="$junit_dir/tpu-tests-$piece.xml" $files
+    --junitxml="$junit_dir/tpu-tests-$piece-$(date -u +%Y%m%dT%H%M%S).xml" \
+    $files
   rc=$?
-  [ "$rc" -eq 5 ] && rc=0  # every test already in the ledger
+  # 1 (a failure) and 5 (every test already in the ledger) stand for the
+  # ledger's outcome: a failure in an earlier run of the piece counts too.
+  if [ "$rc" -eq 0 ] || [ "$rc" -eq 1 ] || [ "$rc" -eq 5 ]; then
+    rc=0
+    [ -f "$ledger" ] && awk -F'\t' '{ o[$2] = $1 }
+      END { for (t in o) if (o[t] == "failed") exit 1 }' "$ledger" || rc=1
+  fi
   echo "tests/tpu.sh: piece $piece exit $rc in $(( $(date +%s) - start )) s"
   summary "$piece"
   [ "$rc" -eq 0 ] || status=$rc

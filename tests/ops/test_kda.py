@@ -147,21 +147,31 @@ def reference_on_host(args, kw, seed=1):
 # Measured on the v5e (JAX 0.12.0.1, libtpu 0.0.50.1, at e63000f) against
 # the host's reference: 1.42e-5..2.31e-5 in five float32 cases, 4.17e-2 with
 # bfloat16 inputs; on a CPU the chunked backend keeps <= 5.1e-6 against
-# float64 on those three inputs. Every other gradient, the output and the
-# state keep the 1e-5 / 2e-2 bounds on the chip.
+# float64 on those three inputs. The output and the state kept the 1e-5 /
+# 2e-2 bounds on the chip; the gradients after d a_log were not checked in
+# those six cases (the check then stopped at its first miss; it now reports
+# every miss).
 TPU_DA_LOG_RTOL = {np.dtype("float32"): 3e-5, np.dtype("bfloat16"): 5e-2}
 
 
 def assert_all_close(actual, expected, rtol):
+  """Output, final state and every gradient within rtol; every miss named."""
   o, s, g = actual
   o_ref, s_ref, g_ref = expected
-  testing.assert_close(o, o_ref, rtol=rtol, name="output")
-  testing.assert_close(s, s_ref, rtol=rtol, name="final_state")
+  checks = [("output", o, o_ref, rtol), ("final_state", s, s_ref, rtol)]
   for name in g_ref:
     bound = rtol
     if name == "a_log" and jax.default_backend() == "tpu":
       bound = max(rtol, TPU_DA_LOG_RTOL[np.dtype(o.dtype)])
-    testing.assert_close(g[name], g_ref[name], rtol=bound, name=f"d{name}")
+    checks.append((f"d{name}", g[name], g_ref[name], bound))
+  misses = []
+  for name, x, want, bound in checks:
+    try:
+      testing.assert_close(x, want, rtol=bound, name=name)
+    except AssertionError as e:
+      misses.append(str(e))
+  if misses:
+    raise AssertionError("; ".join(misses))
 
 
 class ReferenceVsNumpyTest(parameterized.TestCase):

@@ -131,6 +131,8 @@ def _call(kind="TPU v5 lite", dtype="bfloat16", t=4096, h=16, kd=128,
     (_call(dtype="float32"), "chunked"),
     (_call(precision="highest"), "chunked"),
     (_call(lower_bound=None, use_gate_in_kernel=False), "chunked"),
+    (_call(chunk_size=32), "chunked"),
+    (_call(use_qk_l2norm=False), "chunked"),
     # Not timed on other chips: the v6e keeps tokamax's kernel.
     (_call(kind="TPU v6 lite"), "tokamax"),
 ])

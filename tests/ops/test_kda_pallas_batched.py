@@ -159,12 +159,12 @@ def _raw_inputs(t, h=2, kd=128, b=1, seed=0, dtype=jnp.float32):
 RAW_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "ds0", "da_log", "ddt_bias")
 
 
-def _raw_pair(t, *, gated, l2norm, h=2, init=True, dtype=jnp.float32,
+def _raw_pair(t, *, gated, l2norm, h=2, b=1, init=True, dtype=jnp.float32,
               precision=ACCURATE, **kernel_kw):
   """(out, grads), (out64, grads64): `pallas_batched.kda` and the float64
   `reference` op on the same raw inputs (rounded to `dtype`), under one
   random cotangent. grads follow RAW_NAMES (None where no input)."""
-  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, h=h, seed=t,
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, h=h, b=b, seed=t,
                                                        dtype=dtype)
   if not gated:
     g = -5.0 * jax.nn.sigmoid(g)  # a log decay in [-5, 0]
@@ -203,10 +203,9 @@ def _raw_pair(t, *, gated, l2norm, h=2, init=True, dtype=jnp.float32,
   return (out, grads), (out64, grads64)
 
 
-@pytest.mark.parametrize("gated, l2norm, t, strided", [(True, True, 100, False),
-                                                       (False, True, 64, False),
-                                                       (True, False, 130, False),
-                                                       (True, True, 100, True)])
+@pytest.mark.parametrize("gated, l2norm, t, strided", [
+    (True, True, 100, False), (False, True, 64, False),
+    (True, False, 130, False), (True, True, 100, True)])
 def test_fused_preparation_forward_and_gradients(gated, l2norm, t, strided):
   # The kernel normalises q and k, scales q and activates the lower-bound
   # gate itself; every gradient (a_log and dt_bias included) against the
@@ -249,6 +248,18 @@ def test_fused_backward_gradients(gated, l2norm, t, h, hb, chunk, init,
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
     checked += 1
   assert checked == 5 + init + 2 * gated
+
+
+def test_fused_backward_sums_a_log_and_dt_bias_over_a_batch():
+  # Two sequences, two head blocks: each (batch row, head block) sums its
+  # own chunks in the kernel, and XLA adds the rows; against float64.
+  (out, grads), (out64, grads64) = _raw_pair(
+      100, gated=True, l2norm=True, h=4, b=2, heads_per_block=2,
+      fused_backward=True)
+  for name, x, w in zip(("output", "final_state"), out, out64):
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+  for name, x, w in zip(RAW_NAMES, grads, grads64):
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
 
 
 @pytest.mark.parametrize("strided", [False, True])

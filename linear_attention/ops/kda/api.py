@@ -215,9 +215,11 @@ def kimi_delta_attention(
     chunk_states_every: C >= 1, the distance between those states (under
       `context_axis`, each rank's T must be a multiple of C).
     backend: "reference" | "chunked" | "tokamax" (tokamax's Pallas TPU
-      kernel; "mosaic" is accepted for it) | "auto"; resolved here, once, by
-      `resolve` ("auto": the first of "tokamax", "chunked" that takes the
-      call on a TPU, "chunked" elsewhere). A decode piece (an
+      kernel; "mosaic" is accepted for it) | "pallas" (our Pallas TPU
+      kernels) | "auto"; resolved here, once, by `resolve` ("auto": the
+      first of "pallas", "tokamax", "chunked" that takes the call and does
+      not decline it on a TPU, "chunked" elsewhere; "pallas" only in its
+      measured class on a v5e). A decode piece (an
       `initial_state`, T shorter than a chunk: 16 on CPU, 64 elsewhere)
       runs the token recurrence; one for "tokamax" with T not a multiple of
       64 runs on "chunked".

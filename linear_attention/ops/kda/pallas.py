@@ -21,11 +21,12 @@ over it):
 "auto" picks this backend only inside the class of calls measured faster
 than every other backend on a chip (`auto_declines`; docs/kernel.md,
 `benchmarks/results/kda_tpu_profile_milestone_v5e.json`): a TPU v5e,
-bfloat16 q, k, v at precision "auto", K = V = 128, H a multiple of 16 and
-T >= 4096. There, at B1 T8192 H32 and B8 T4096 H16, it took 2.6 and 5.4 ms
-of device time forward (the chunked backend 5.8 ms at the first shape;
-tokamax's kernel 4.0 and 8.6 ms) and 12.0 and 24.8 ms forward and backward
-(chunked 26.9; tokamax 12.1 and 27.2). Elsewhere it has not been timed
+bfloat16 q, k, v at precision "auto", K = V = 128, H a multiple of 16,
+T >= 4096, 64-token chunks and the q/k L2 norm. There, at B1 T8192 H32 and
+B8 T4096 H16, it took 2.6 and 5.4 ms of device time forward (the chunked
+backend 5.8 ms at the first shape; tokamax's kernel 4.0 and 8.6 ms) and
+12.0 and 24.8 ms forward and backward (chunked 26.9; tokamax 12.1 and
+27.2). Elsewhere it has not been timed
 against the others, so "auto" passes over it; `backend="pallas"` runs it
 wherever `supports` allows.
 
@@ -110,19 +111,23 @@ def auto_declines(target: backends.Target,
   _, t, h, kd = call.q.shape
   if (call.q.dtype.name != "bfloat16" or call.precision != "auto"
       or kd != LANES or call.v.shape[-1] != LANES
-      or h % AUTO_HEADS_PER_BLOCK or t < AUTO_MIN_T):
+      or h % AUTO_HEADS_PER_BLOCK or t < AUTO_MIN_T
+      or call.chunk_size not in (None, DEFAULT_CHUNK)
+      or not call.use_qk_l2norm):
     return ("measured faster only for bfloat16 at precision 'auto', K = V"
-            f" = {LANES}, H a multiple of {AUTO_HEADS_PER_BLOCK} and T >="
-            f" {AUTO_MIN_T}; got {call.q.dtype.name}, precision"
-            f" {call.precision!r}, K={kd}, V={call.v.shape[-1]}, H={h},"
-            f" T={t}")
+            f" = {LANES}, H a multiple of {AUTO_HEADS_PER_BLOCK}, T >="
+            f" {AUTO_MIN_T}, {DEFAULT_CHUNK}-token chunks and the q/k L2"
+            f" norm; got {call.q.dtype.name}, precision {call.precision!r},"
+            f" K={kd}, V={call.v.shape[-1]}, H={h}, T={t}, chunk_size="
+            f"{call.chunk_size}, use_qk_l2norm={call.use_qk_l2norm}")
   return None
 
 
 def heads_per_block(call: common.Call) -> int | None:
   """Heads a grid step: 16 for bfloat16 with K = V = 128 where H allows
-  (measured faster than 8 forward and backward at both shapes above), else
-  the kernel's default (the largest divisor of H up to 8)."""
+  (measured faster than 8 forward and backward at both shapes above, on a
+  v5e; used on any TPU, an explicit `backend="pallas"` included), else the
+  kernel's default (the largest divisor of H up to 8)."""
   h, kd = call.q.shape[2:]
   if (call.q.dtype.name == "bfloat16" and h % AUTO_HEADS_PER_BLOCK == 0
       and kd == LANES and call.v.shape[-1] == LANES):
