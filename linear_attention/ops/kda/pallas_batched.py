@@ -587,6 +587,7 @@ def _backward_kernel(*refs, t: Config):
   masks = _tri_masks(c)
   q2, k2, g2 = _read(r["q"], t), _read(r["k"], t), _read(r["g"], t)
   rate = r["rate"][...] if t.gated else None
+  saved = None
   if t.prep is not None:
     q2, k2, g2, saved = _prepare_block(
         q2, k2, g2, rate, r["dtb"][...] if t.gated else None, t)
@@ -634,7 +635,19 @@ def _backward_kernel(*refs, t: Config):
            total=_lanes(d_total),
            rowf=_lanes(dqr * q3 + dkr * k3),
            colfs=[_lanes(dkc * k3) for dkc in dkcs])
-  dg = _factors_backward(f, d, c, nb)
+  _write_gradients(r, (dq, dk, dv, _factors_backward(f, d, c, nb), dbeta),
+                   rate, saved, t)
+
+  @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
+  def _():
+    r["ds0"][...] = dstate_ref[...]
+
+
+def _write_gradients(r, grads, rate, saved, t: Config):
+  """Writes one block's gradients (dq, dk, dv [hb, C, *], dg [C, hb*K],
+  dbeta columns); with `t.prep` pulled back through the preparation first,
+  the a_log and dt_bias terms added to their resident sums."""
+  dq, dk, dv, dg, dbeta = grads
   if t.prep is not None:
     dq, dk, dg, da, ddt = _prepare_block_backward(dq, dk, dg, rate, saved, t)
     if t.gated:
@@ -645,10 +658,6 @@ def _backward_kernel(*refs, t: Config):
   _write(r["dv"], _lanes(dv), t)
   _write(r["dg"], dg, t)
   _write_beta(r["db"], dbeta, t)
-
-  @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
-  def _():
-    r["ds0"][...] = dstate_ref[...]
 
 
 def _heads_per_block(h, heads_per_block, strided=False):
