@@ -109,9 +109,9 @@ def auto_declines(target: backends.Target,
     return ("chosen per call on a TPU v5e (bfloat16, K = V = 128, H a"
             f" multiple of {AUTO_HEADS_PER_BLOCK}, T >= {AUTO_MIN_T})")
   _, t, h, kd = call.q.shape
-  if (call.q.dtype.name != "bfloat16" or call.precision != "auto"
-      or kd != LANES or call.v.shape[-1] != LANES
-      or h % AUTO_HEADS_PER_BLOCK or t < AUTO_MIN_T
+  # bfloat16, K = V = 128 and H a multiple of 16: the measured 16 heads a step.
+  if (heads_per_block(call) != AUTO_HEADS_PER_BLOCK
+      or call.precision != "auto" or t < AUTO_MIN_T
       or call.chunk_size not in (None, DEFAULT_CHUNK)
       or not call.use_qk_l2norm):
     return ("measured faster only for bfloat16 at precision 'auto', K = V"
