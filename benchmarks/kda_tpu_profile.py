@@ -32,6 +32,11 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   pulls the gradients back through the preparation itself; 8 and 16 heads
   a step);
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
+
+`--documents=N` packs every row with documents of N tokens (segment ids
+1, 2, ...; the last one shorter), as training on packed text calls the op;
+`chunked` and the `batched` kernels (not strided) take them, the others
+record an error.
 """
 
 import argparse
@@ -51,6 +56,7 @@ import jax.numpy as jnp
 from benchmarks import kda_speed
 from benchmarks import kda_tpu
 from experiments.tools import cli
+from linear_attention import ops
 from linear_attention.ops.kda import gates
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu
@@ -80,7 +86,8 @@ def kernel_op(heads_per_block=None, forward=pallas_tpu.kda_forward):
   return f
 
 
-def batched_op(heads_per_block=None, strided=False, fused_backward=False):
+def batched_op(heads_per_block=None, strided=False, fused_backward=False,
+               segment_ids=None):
   """Our batched-heads kernel on the raw inputs (preparation inside it)."""
   interpret = jax.devices()[0].platform != "tpu"
 
@@ -90,12 +97,36 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False):
         dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
         use_qk_l2norm=True, precision=precision_lib.resolve("auto", q.dtype),
         heads_per_block=heads_per_block, strided=strided,
-        fused_backward=fused_backward, interpret=interpret)
+        fused_backward=fused_backward, segment_ids=segment_ids,
+        interpret=interpret)
     return o
   return f
 
 
-def implementation(name):
+def chunked_op(segment_ids):
+  """The op's chunked backend on packed rows."""
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    return ops.kimi_delta_attention(
+        q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+        use_gate_in_kernel=True, use_qk_l2norm=True, segment_ids=segment_ids,
+        backend="chunked")[0]
+  return f
+
+
+def documents(b, t, n):
+  """[B, T] int32 segment ids: documents of n tokens, numbered from 1."""
+  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // n + 1, (b, t))
+
+
+def implementation(name, segment_ids=None):
+  if segment_ids is not None:
+    if name == "chunked":
+      return chunked_op(segment_ids)
+    if name.startswith("batched") and name != "batched_strided":
+      return batched_op(heads_per_block=16 if "hb16" in name else None,
+                        fused_backward=name.endswith("_fused"),
+                        segment_ids=segment_ids)
+    raise ValueError(f"--documents: {name} takes no packed segments here")
   if name == "chunked":
     return kda_tpu.op("chunked")
   if name == "kernel":
@@ -265,6 +296,8 @@ def main():
   p.add_argument("--calls", type=cli.positive_int, default=3,
                  help="calls recorded (with --summarize: in the trace read)")
   p.add_argument("--top", type=cli.positive_int, default=15)
+  p.add_argument("--documents", type=int, default=0,
+                 help="pack rows with documents of this many tokens (0: none)")
   p.add_argument("--summarize", default=None,
                  help="a *.trace.json.gz to read instead of profiling")
   a = p.parse_args()
@@ -281,18 +314,22 @@ def main():
     unknown = [n for n in given.split(",") if n not in known]
     if unknown:
       p.error(f"{flag}: unknown {unknown}; allowed: {', '.join(known)}")
+  if a.documents < 0:
+    p.error(f"--documents: 0 (none) or a document length; got {a.documents}")
   os.makedirs(a.out, exist_ok=True)
   args = kda_tpu.inputs(*shape, dtype=a.dtype)
+  ids = documents(shape[0], shape[1], a.documents) if a.documents else None
   results = {}
   meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
               host=platform.node(), shape=shape, dtype=a.dtype,
-              calls=a.calls)
+              calls=a.calls, documents=a.documents)
   for impl in a.impls.split(","):
     for pass_name in a.passes.split(","):
       key = f"{impl}_{pass_name}"
       try:
-        results[key] = profile_one(with_pass(implementation(impl), pass_name),
-                                   args, os.path.join(a.out, key), a.calls)
+        results[key] = profile_one(
+            with_pass(implementation(impl, ids), pass_name), args,
+            os.path.join(a.out, key), a.calls)
       except Exception as e:  # pylint: disable=broad-except
         results[key] = dict(error=repr(e)[:2000] + traceback.format_exc()[-3000:])
       with open(os.path.join(a.out, "kda_tpu_profile.json"), "w") as fh:

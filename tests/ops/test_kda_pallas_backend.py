@@ -7,7 +7,8 @@ differences): outputs, final states and every gradient (a_log and dt_bias
 included) under random cotangents, with grouped value heads, T not a
 multiple of the chunk, an initial state and beta in [0, 2]; each limit the
 backend names (`NotImplementedError` with its reason; "auto" passes over it);
-the op exported for a TPU v5e with `backend="pallas"` (two Mosaic
+packed segments as training uses them (no states); the op exported for a
+TPU v5e with `backend="pallas"` (two Mosaic
 kernels in its gradient); and where "auto" picks it (the measured class).
 """
 
@@ -59,8 +60,37 @@ def test_matches_the_float64_reference(case):
                          name=f"d{name}")
 
 
+def test_packed_segments_match_the_float64_reference():
+  # Training's form (no initial state, no final state): runs starting inside
+  # chunks and on a chunk edge, trailing padding, grouped value heads, T not
+  # a multiple of the chunk; the output and every gradient.
+  args, kw = make_inputs(Case(b=2, t=100, h=1, hv=2, k=128, v=128,
+                              segments=True, init=False))
+  names = [n for n in GRAD_ARGS if n in args]
+  do = np.random.default_rng(1).normal(size=args["v"].shape)
+
+  def grads(args, backend):
+    def loss(*diff):
+      o, final = ops.kimi_delta_attention(
+          **dict(args, **dict(zip(names, diff))), backend=backend, **kw)
+      assert final is None
+      return jnp.sum(o.astype(jnp.float32) * jnp.asarray(do, o.dtype)), o
+    return jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
+        *[args[n] for n in names])
+
+  with kernels():
+    g, o = grads(args, "pallas")
+  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+    g64, o64 = grads(_float64(args), "reference")
+  testing.assert_close(o, o64, rtol=RTOL_F32, name="output")
+  for name, x, w in zip(names, g, g64):
+    testing.assert_close(x, w, rtol=RTOL_F32, name=f"d{name}")
+
+
 @pytest.mark.parametrize("case, kw, reason", [
     (Case(t=64, k=128, v=128, segments=True), {}, "packed segments"),
+    (Case(t=64, k=128, v=128, segments=True, init=False),
+     dict(output_final_state=True), "packed segments"),
     (Case(t=64, k=128, v=128, gate="softplus"), {}, "lower-bound gate"),
     (Case(t=64, k=128, v=128, gate="preactivated"), {}, "lower-bound gate"),
     (Case(t=64, k=64, v=128), {}, "multiples of 128"),
@@ -133,6 +163,8 @@ def _call(kind="TPU v5 lite", dtype="bfloat16", t=4096, h=16, kd=128,
     (_call(lower_bound=None, use_gate_in_kernel=False), "chunked"),
     (_call(chunk_size=32), "chunked"),
     (_call(use_qk_l2norm=False), "chunked"),
+    (_call(segment_ids=jax.ShapeDtypeStruct((1, 4096), jnp.int32),
+           max_num_segments=4), "chunked"),
     # Not timed on other chips: the v6e keeps tokamax's kernel.
     (_call(kind="TPU v6 lite"), "tokamax"),
 ])

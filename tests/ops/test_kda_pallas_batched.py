@@ -288,3 +288,135 @@ def test_fused_preparation_refuses_the_softplus_gate():
     pallas_batched.kda(q, k, v, g, beta, s0, scale=1.0, a_log=a_log,
                        dt_bias=dt_bias, use_gate_in_kernel=True,
                        precision=ACCURATE, interpret=True)
+
+
+def _segment_layouts(t):
+  """[2, t] segment ids (t >= 150): runs starting inside chunks and on a
+  chunk edge, padding in the middle (a run resumed across it and across a
+  chunk edge), a segment met again after another one (a new run, from a
+  zero state), leading and trailing padding, a one-token segment and, at
+  32-token chunks, a chunk of padding only."""
+  seg = np.zeros((2, t), np.int32)
+  seg[0, :30], seg[0, 30:64], seg[0, 70:128] = 1, 2, 2  # 64:70 padding
+  seg[0, 128:150], seg[0, 150:t - 3] = 3, 1  # 128: a start on a chunk edge
+  seg[1, 5:100], seg[1, 100], seg[1, 140:] = 1, 2, 4  # 101:140 padding
+  return seg
+
+
+def _segments_pair(t, seg, *, gated=True, dtype=jnp.float32,
+                   precision=ACCURATE, **kernel_kw):
+  """(grads, grads64): the output and every gradient (RAW_NAMES without
+  ds0) of `pallas_batched.kda` with `segment_ids` and of the float64
+  `reference` op on the same raw inputs, under one random cotangent."""
+  (q, k, v, g, beta, _), a_log, dt_bias = _raw_inputs(t, h=4, b=2, seed=t,
+                                                      dtype=dtype)
+  if not gated:
+    g = -5.0 * jax.nn.sigmoid(g)  # a log decay in [-5, 0]
+  kw = dict(scale=128 ** -0.5, lower_bound=-5.0 if gated else None,
+            use_gate_in_kernel=gated, use_qk_l2norm=True)
+  ids = jnp.asarray(seg)
+
+  def ours(*args):
+    o, final = pallas_batched.kda(*args[:5], a_log=args[5], dt_bias=args[6],
+                                  segment_ids=ids, precision=precision,
+                                  interpret=True, **kw, **kernel_kw)
+    assert final is None
+    return o
+
+  def reference(*args):
+    return ops.kimi_delta_attention(
+        *args[:5], a_log=args[5] if gated else None,
+        dt_bias=args[6] if gated else None, segment_ids=ids,
+        max_num_segments=4, backend="reference", precision="highest",
+        **kw)[0]
+
+  args = (q, k, v, g, beta, a_log, dt_bias)
+  do = np.random.default_rng(1).normal(size=v.shape)
+  o, back = jax.vjp(ours, *args)
+  grads = (o, *back(jnp.asarray(do, dtype)))
+  with jax.enable_x64(True):
+    o64, back64 = jax.vjp(reference, *[
+        jnp.asarray(np.asarray(a.astype(jnp.float32), np.float64))
+        for a in args])
+    grads64 = (o64, *back64(jnp.asarray(do)))
+  names = ("output",) + tuple(n for n in RAW_NAMES if n != "ds0")
+  if not gated:
+    names = names[:-2]
+  return list(zip(names, grads, grads64))
+
+
+@pytest.mark.parametrize("gated, chunk, hb, fused_backward", [
+    (True, 64, 2, False),  # the backward prepares in XLA
+    (True, 64, 4, True),  # the fused backward, 4 heads a step
+    (False, 32, 2, True),  # the log decay given; a chunk of padding only
+])
+def test_packed_segments_match_the_float64_reference(gated, chunk, hb,
+                                                     fused_backward):
+  # Runs restrict each chunk's pairs and its reads and writes of the carried
+  # state; padding writes zeros and leaves the state alone. Measured on CPU
+  # (interpret mode): 2.2e-7..5.1e-7, dg and d dt_bias 1.2e-6..1.6e-6.
+  pairs = _segments_pair(200, _segment_layouts(200), gated=gated,
+                         chunk=chunk, heads_per_block=hb,
+                         fused_backward=fused_backward)
+  for name, x, w in pairs:
+    assert x.dtype == jnp.float32, name
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+  assert len(pairs) == (8 if gated else 6)
+
+
+# The gate's gradients with bfloat16 inputs at one pass and no final-state
+# cotangent (the bfloat16 tests above have one, which dominates them): each
+# is a sum of many cancelling terms, like d a_log on the chip (test_kda.py).
+# Measured on CPU (interpret mode) with these segments: dg 2.4e-2, d a_log
+# 1.2e-2, d dt_bias 4.8e-2; on the same inputs with every token in one
+# segment 2.5e-2 / 7.3e-3 / 5.6e-2, and without segment_ids dg 2.5e-2.
+# Twice the largest:
+BF16_GATE_GRADS_RTOL = 1e-1
+
+
+def test_packed_segments_in_bfloat16_at_one_pass():
+  # bfloat16 inputs, the fused backward; the output and q, k, v, beta
+  # gradients at the bounds of the bfloat16 tests above (measured
+  # 3.9e-3..4.1e-3).
+  pairs = _segments_pair(160, _segment_layouts(160), dtype=jnp.bfloat16,
+                         precision=FAST, fused_backward=True)
+  for name, x, w in pairs:
+    rtol = {"output": RTOL_BF16_OUT, "dg": BF16_GATE_GRADS_RTOL,
+            "da_log": BF16_GATE_GRADS_RTOL,
+            "ddt_bias": BF16_GATE_GRADS_RTOL}.get(name, 8e-3)
+    testing.assert_close(x, np.asarray(w), rtol=rtol, name=name)
+
+
+def test_packed_segments_export_to_mosaic_for_tpu_v5e():
+  b, t, h, kd = 1, 200, 16, 128
+  args = [jax.ShapeDtypeStruct((b, t, h, kd), d) for d in
+          (jnp.bfloat16,) * 3 + (jnp.float32,)]
+  args += [jax.ShapeDtypeStruct((b, t, h), jnp.bfloat16)]
+  ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
+  a_log, dt_bias = jnp.zeros(h), jnp.zeros(h * kd)
+
+  def loss(q, k, v, g, beta, ids):
+    o, _ = pallas_batched.kda(
+        q, k, v, g, beta, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias,
+        lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
+        precision=FAST, fused_backward=True, segment_ids=ids)
+    return jnp.sum(o.astype(jnp.float32) ** 2)
+
+  with mosaic.lowering_mode("v5e"):
+    grads = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))),
+                              platforms=["tpu"])(*args, ids)
+  assert grads.mlir_module().count("tpu_custom_call") == 2
+  assert [a.shape for a in grads.out_avals] == [x.shape for x in args]
+
+
+def test_packed_segments_limits():
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(64)
+  kw = dict(scale=1.0, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+            use_gate_in_kernel=True, precision=ACCURATE, interpret=True)
+  ids = jnp.ones((1, 64), jnp.int32)
+  with pytest.raises(NotImplementedError, match="without an initial state"):
+    pallas_batched.kda(q, k, v, g, beta, s0, segment_ids=ids, **kw)
+  with pytest.raises(NotImplementedError, match="strided"):
+    pallas_batched.kda(q, k, v, g, beta, segment_ids=ids, strided=True, **kw)
+  with pytest.raises(ValueError, match="segment_ids"):
+    pallas_batched.kda(q, k, v, g, beta, segment_ids=ids[:, :32], **kw)

@@ -145,6 +145,27 @@ def prepare(
       initial_state=initial_state, has_segments=has_segments)
 
 
+def segment_runs(segment_ids):
+  """Forward-filled run structure of [B, T] segment ids.
+
+  Returns (run_seg, run_index, start): the segment a token's run belongs to
+  (padding joins the run before it; leading padding is run segment 0), a
+  per-row run counter, and where runs start (the segment semantics above;
+  shared by the chunked backend and our Pallas kernels).
+  """
+  b, t = segment_ids.shape
+  pos = jnp.arange(t)[None, :]
+  last_valid = jax.lax.cummax(jnp.where(segment_ids > 0, pos, -1), axis=1)
+  run_seg = jnp.where(
+      last_valid >= 0,
+      jnp.take_along_axis(segment_ids, jnp.maximum(last_valid, 0), axis=1), 0)
+  prev = jnp.concatenate(
+      [jnp.full((b, 1), -1, run_seg.dtype), run_seg[:, :-1]], axis=1)
+  start = run_seg != prev
+  run_index = jnp.cumsum(start, axis=1) - 1
+  return run_seg, run_index, start
+
+
 def with_segment_axis(state):
   """[B, H, K, V] -> [B, 1, H, K, V]: one sequence is one segment; None
   stays None (every backend's per-segment code takes states this way)."""

@@ -16,13 +16,16 @@ over it):
   decay >= -5, which neither the softplus gate nor a pre-activated g
   guarantees (and a traced g cannot be checked);
 * chunk 16, 32, 64 (the default) or 128 tokens;
-* not yet: packed segments, `context_axis`, chunk-boundary states.
+* packed segments as training uses them: `segment_ids` without an
+  initial state and without `output_final_state` (the per-segment states
+  are not in the kernels yet);
+* not yet: `context_axis`, chunk-boundary states.
 
 "auto" picks this backend only inside the class of calls measured faster
 than every other backend on a chip (`auto_declines`; docs/kernel.md,
 `benchmarks/results/kda_tpu_profile_milestone_v5e.json`): a TPU v5e,
 bfloat16 q, k, v at precision "auto", K = V = 128, H a multiple of 16,
-T >= 4096, 64-token chunks and the q/k L2 norm. There, at B1 T8192 H32 and
+T >= 4096, 64-token chunks, the q/k L2 norm and no packed segments. There, at B1 T8192 H32 and
 B8 T4096 H16, it took 2.6 and 5.4 ms of device time forward (the chunked
 backend 5.8 ms at the first shape; tokamax's kernel 4.0 and 8.6 ms) and
 12.0 and 24.8 ms forward and backward (chunked 26.9; tokamax 12.1 and
@@ -67,9 +70,12 @@ def supports(call: common.Call) -> str | None:
   """Why the kernels cannot take `call`, or None (see the module docstring)."""
   q, v = call.q, call.v
   kd, vd = q.shape[-1], v.shape[-1]
-  if call.segment_ids is not None:
-    return ("our Pallas kernel has no packed segments yet (segment_ids); use"
-            " backend='chunked' or 'tokamax'.")
+  if call.segment_ids is not None and (call.initial_state is not None
+                                      or call.output_final_state):
+    return ("our Pallas kernel takes packed segments (segment_ids) without"
+            " an initial state and without output_final_state only (the"
+            " per-segment states are not in the kernel yet); use"
+            " backend='chunked'.")
   if call.context_axis is not None:
     return ("our Pallas kernel does not run under context_axis yet; use"
             " backend='chunked' (exact state passing).")
@@ -113,13 +119,15 @@ def auto_declines(target: backends.Target,
   if (heads_per_block(call) != AUTO_HEADS_PER_BLOCK
       or call.precision != "auto" or t < AUTO_MIN_T
       or call.chunk_size not in (None, DEFAULT_CHUNK)
-      or not call.use_qk_l2norm):
+      or not call.use_qk_l2norm or call.segment_ids is not None):
     return ("measured faster only for bfloat16 at precision 'auto', K = V"
             f" = {LANES}, H a multiple of {AUTO_HEADS_PER_BLOCK}, T >="
-            f" {AUTO_MIN_T}, {DEFAULT_CHUNK}-token chunks and the q/k L2"
-            f" norm; got {call.q.dtype.name}, precision {call.precision!r},"
-            f" K={kd}, V={call.v.shape[-1]}, H={h}, T={t}, chunk_size="
-            f"{call.chunk_size}, use_qk_l2norm={call.use_qk_l2norm}")
+            f" {AUTO_MIN_T}, {DEFAULT_CHUNK}-token chunks, the q/k L2 norm"
+            f" and no packed segments; got {call.q.dtype.name}, precision"
+            f" {call.precision!r}, K={kd}, V={call.v.shape[-1]}, H={h}, T={t},"
+            f" chunk_size={call.chunk_size}, use_qk_l2norm="
+            f"{call.use_qk_l2norm}, segment_ids given: "
+            f"{call.segment_ids is not None}")
   return None
 
 
@@ -144,6 +152,6 @@ def run(call: common.Call):
       use_qk_l2norm=call.use_qk_l2norm,
       precision=precision_lib.resolve(call.precision, call.q.dtype),
       chunk=call.chunk_size or DEFAULT_CHUNK,
-      heads_per_block=heads_per_block(call),
+      heads_per_block=heads_per_block(call), segment_ids=call.segment_ids,
       interpret=call.target.off_tpu_mode == "interpret")
   return o, final if call.output_final_state else None

@@ -52,9 +52,14 @@ summed over the chunks in a block that stays put along the chunk axis (on
 a TPU v5e about 7 of the 12 ms of a forward+backward were that XLA glue:
 float32 relayouts of dq, dk, dg, prepared copies, the pull-back fusions).
 
+Packed segments (`kda(..., segment_ids=...)`, training's form: no initial or
+final state): each chunk reads its run-start counts and padding flags
+(`_run_rows`) and masks pairs to runs and the carried state's reads and
+writes to the runs that hold it (`_run_masks`); the exponents do not change.
+
 Limits (NotImplementedError): q, k, v float32 or bfloat16 of one dtype; K and
 V multiples of 128; chunk 16 * 2^n up to 128; every g >= -5 (the fused gate
-only with lower_bound); no segments.
+only with lower_bound); segments without states, and not strided.
 """
 
 import dataclasses
@@ -65,6 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from linear_attention.ops.kda import common
 from linear_attention.ops.kda import gates
 from linear_attention.ops.kda import pallas_tpu
 from linear_attention.ops.kda.precision import Precisions
@@ -115,6 +121,10 @@ class Config:
   # summed in the kernel), writing them in the inputs' dtypes; else the
   # backward prepares in XLA and pulls back there (`_kda_raw_bwd`).
   fused_backward: bool = False
+  # Packed segments (`segment_ids`, without initial or final states): each
+  # chunk also reads its run rows (`_run_rows`) and restricts its pairs and
+  # its use of the carried state to runs (`_run_masks`).
+  segmented: bool = False
 
   @property
   def blocks(self) -> int:
@@ -295,6 +305,40 @@ def _tri_masks(c):
           == jax.lax.shift_right_logical(ci, shift))
   return dict(causal=(ri >= ci)[None], below=(ri > ci)[None], same=same[None],
               eye=jnp.where(ri == ci, 1.0, 0.0).astype(_F32)[None])
+
+
+def _run_rows(segment_ids, n, c):
+  """Packed segments as [B, n, 2, C] float32 rows, one pair per chunk: the
+  run starts (`common.segment_runs`) from the chunk's first token up to each
+  token, and 1 for a token, 0 for padding (time padding included)."""
+  b, seq = segment_ids.shape
+  ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, n * c - seq)])
+  _, _, start = common.segment_runs(ids)
+  starts = jnp.cumsum(start.reshape(b, n, c).astype(jnp.int32), axis=2)
+  return jnp.stack([starts, (ids > 0).reshape(b, n, c)], axis=2).astype(_F32)
+
+
+def _run_masks(runs, masks, c):
+  """A chunk's masks with packed segments, from its run rows [2, C].
+
+  Two tokens interact only inside one run, so the causal and strictly lower
+  pair masks keep pairs with equal run-start counts. Returns those masks and
+  the 0/1 columns [1, C, 1] carry (the token's run began before the chunk:
+  it reads the carried state), last (the token is in the chunk's last run:
+  it writes the outgoing state) and keep (a token, not padding), and
+  carry_end [1, 1, 1] (no run starts in the chunk: the carried state
+  decays through it). A run that starts reads a zero state (no initial
+  states with segments).
+  """
+  row = runs[0:1]  # [1, C]
+  col = _column(row[None], c)  # [1, C, 1]
+  same = col == row[None]  # [1, C, C]
+  end = row[:, c - 1:c][None]  # [1, 1, 1]
+  one = lambda cond: jnp.where(cond, 1.0, 0.0)
+  return (dict(masks, causal=masks["causal"] & same,
+               below=masks["below"] & same),
+          dict(carry=one(col == 0.0), last=one(col == end),
+               keep=_column(runs[1:2][None], c), carry_end=one(end == 0.0)))
 
 
 def _solve_factors(a, masks, nb, precision):
@@ -485,7 +529,8 @@ def _prepare_block_backward(dq3, dk3, dg2, rate, saved, t: Config):
 
 
 def _kernel(*refs, t: Config):
-  names = ["q", "k", "v", "g", "b"] + (["rate", "dtb"] if t.gated else [])
+  names = ["q", "k", "v", "g", "b"] + (["runs"] if t.segmented else [])
+  names += ["rate", "dtb"] if t.gated else []
   names += ["s0"] if t.has_initial_state else []
   names += ["o", "sf"] + (["cs"] if t.save_states else []) + ["state"]
   r = dict(zip(names, refs))
@@ -501,13 +546,7 @@ def _kernel(*refs, t: Config):
     else:
       state_ref[...] = s0_ref[...].astype(_F32)
 
-  q2, k2, g2 = _read(r["q"], t), _read(r["k"], t), _read(r["g"], t)
-  if t.prep is not None:
-    q2, k2, g2, _ = _prepare_block(
-        q2, k2, g2, r["rate"][...] if t.gated else None,
-        r["dtb"][...] if t.gated else None, t)
-  x = _chunk(q2, k2, _read(r["v"], t), g2, _read_beta(r["b"], t), t,
-             _tri_masks(c))
+  x, q2, k2, _, seg, _, _ = _load_chunk(r, t)
   f, wu = x["f"], x["wu"]
   kh = lambda y: _heads(y, hb, kd)
   state = state_ref[...]  # [hb, K, V]
@@ -515,16 +554,58 @@ def _kernel(*refs, t: Config):
     cs_ref[...] = state
   lhs = jnp.concatenate([wu[:, :, :kd], kh(q2 * f["read"])], axis=1)
   ws = _dot(lhs, state, _BATCH_NN, p.state)  # [hb, 2C, V]: W X and Q X
-  v_new = wu[:, :, kd:] - ws[:, :c]
-  o = ws[:, c:] + _dot(x["a_qk"], v_new, _BATCH_NN, p.output)
+  # With segments (`_run_masks`) only the rows of runs that began before
+  # the chunk read X, only the last run's rows write X', padding outputs 0.
+  v_new = wu[:, :, kd:] - _rows(ws[:, :c], seg["carry"])
+  o = _rows(_rows(ws[:, c:], seg["carry"])
+            + _dot(x["a_qk"], v_new, _BATCH_NN, p.output), seg["keep"])
+  k_end = _rows(kh(k2 * f["to_end"]), seg["last"])  # [hb, C, K]
+  decay = _rows(_column(kh(f["total"]), kd), seg["carry_end"])  # [hb, K, 1]
   _write(r["o"], _lanes(o), t)
-  decay = _column(kh(f["total"]), kd)  # [hb, K, 1]
-  k_end = jnp.swapaxes(kh(k2 * f["to_end"]), 1, 2)  # [hb, K, C]
-  state_ref[...] = decay * state + _dot(k_end, v_new, _BATCH_NN, p.state)
+  state_ref[...] = decay * state + _dot(jnp.swapaxes(k_end, 1, 2), v_new,
+                                        _BATCH_NN, p.state)
 
   @pl.when(chunk_id == pl.num_programs(1) - 1)
   def _():
     r["sf"][...] = state_ref[...]
+
+
+def _rows(x, mask):
+  """x times a 0/1 mask ([1, C, 1] rows, or [1, 1, 1]); x itself for None."""
+  return x if mask is None else x * mask
+
+
+def _unpadded(g2, keep):
+  """g2 [C, hb*K] with padding's rows set to 0 (keep [1, C, 1] or None)."""
+  return g2 if keep is None else jnp.where(keep[0] > 0.0, g2, 0.0)
+
+
+_NO_RUNS = dict(carry=None, last=None, keep=None, carry_end=None)
+
+
+def _load_chunk(r, t: Config):
+  """A grid step's chunk from its blocks, for both kernels.
+
+  Reads q, k, g (prepared here with `t.prep`), v and beta; with segments
+  the run masks (`_run_masks`) and padding's g and beta set to 0 (it then
+  leaves the state alone and adds to no other token). Returns the chunk
+  (`_chunk`), the prepared q2 and k2, the masks, the run columns
+  (`_NO_RUNS` without segments: every mask None), the preparation's
+  intermediates and the gate's rate row.
+  """
+  masks, seg = _tri_masks(t.chunk), _NO_RUNS
+  if t.segmented:
+    masks, seg = _run_masks(r["runs"][...], masks, t.chunk)
+  q2, k2, g2 = _read(r["q"], t), _read(r["k"], t), _read(r["g"], t)
+  rate = r["rate"][...] if t.gated else None
+  saved = None
+  if t.prep is not None:
+    q2, k2, g2, saved = _prepare_block(
+        q2, k2, g2, rate, r["dtb"][...] if t.gated else None, t)
+  beta = _rows(_read_beta(r["b"], t), seg["keep"])
+  x = _chunk(q2, k2, _read(r["v"], t), _unpadded(g2, seg["keep"]), beta, t,
+             masks)
+  return x, q2, k2, masks, seg, saved, rate
 
 
 def _scores_backward(x, d_aqk, ds, nb, precision):
@@ -567,7 +648,8 @@ def _backward_kernel(*refs, t: Config):
   (`_prepare_block_backward`); the a_log and dt_bias terms are summed over
   the chunks into per-lane rows whose block stays put along the chunk axis.
   """
-  names = ["q", "k", "v", "g", "b"] + (["rate", "dtb"] if t.gated else [])
+  names = ["q", "k", "v", "g", "b"] + (["runs"] if t.segmented else [])
+  names += ["rate", "dtb"] if t.gated else []
   names += ["cs", "do", "dsf", "dq", "dk", "dv", "dg", "db", "ds0"]
   names += (["da", "ddt"] if t.gated else []) + ["dstate"]
   r = dict(zip(names, refs))
@@ -584,39 +666,36 @@ def _backward_kernel(*refs, t: Config):
       r["da"][...] = jnp.zeros(r["da"].shape, _F32)
       r["ddt"][...] = jnp.zeros(r["ddt"].shape, _F32)
 
-  masks = _tri_masks(c)
-  q2, k2, g2 = _read(r["q"], t), _read(r["k"], t), _read(r["g"], t)
-  rate = r["rate"][...] if t.gated else None
-  saved = None
-  if t.prep is not None:
-    q2, k2, g2, saved = _prepare_block(
-        q2, k2, g2, rate, r["dtb"][...] if t.gated else None, t)
-  x = _chunk(q2, k2, _read(r["v"], t), g2, _read_beta(r["b"], t), t, masks)
+  x, q2, k2, masks, seg, saved, rate = _load_chunk(r, t)
   f, wu, beta = x["f"], x["wu"], x["beta"]
   kh = lambda y: _heads(y, hb, kd)
   swap = lambda y: jnp.swapaxes(y, 1, 2)
   q3, k3 = kh(q2), kh(k2)
   read3, to_end3 = kh(f["read"]), kh(f["to_end"])
+  # The forward's row masks (segments; None without), on the cotangents too.
+  carry, last = seg["carry"], seg["last"]
+  do = _rows(_heads(_read(r["do"], t), hb, vd), seg["keep"])
+  decay = _rows(_column(kh(f["total"]), kd), seg["carry_end"])
   w = wu[:, :, :kd]
   state = cs_ref[...]  # X [hb, K, V]
-  v_new = wu[:, :, kd:] - _dot(w, state, _BATCH_NN, p.state)
-  do = _heads(_read(r["do"], t), hb, vd)
+  w_read = _rows(w, carry)
+  v_new = wu[:, :, kd:] - _dot(w_read, state, _BATCH_NN, p.state)
   dnext = dstate_ref[...]  # dX'
-  kend, qread = k3 * to_end3, q3 * read3
+  kend, qread = _rows(k3 * to_end3, last), _rows(q3 * read3, carry)
 
   dv_new = (_dot(swap(x["a_qk"]), do, _BATCH_NN, p.output)
             + _dot(kend, dnext, _BATCH_NN, p.state))
-  decay = _column(kh(f["total"]), kd)
   dstate_ref[...] = (_dot(swap(qread), do, _BATCH_NN, p.state)
                      + decay * dnext
-                     - _dot(swap(w), dv_new, _BATCH_NN, p.state))
+                     - _dot(swap(w_read), dv_new, _BATCH_NN, p.state))
   d_aqk = jnp.where(masks["causal"], _dot(do, v_new, _BATCH_NT, p.output),
                     0.0)
-  d_qread = _dot(do, state, _BATCH_NT, p.state)  # [hb, C, K]
-  d_kend = _dot(v_new, dnext, _BATCH_NT, p.state)  # [hb, C, K]
-  d_total = _row(jnp.sum(state * dnext, axis=2, keepdims=True), kd)
-  dwu = jnp.concatenate([-_dot(dv_new, state, _BATCH_NT, p.state), dv_new],
-                        axis=2)
+  d_qread = _rows(_dot(do, state, _BATCH_NT, p.state), carry)  # [hb, C, K]
+  d_kend = _rows(_dot(v_new, dnext, _BATCH_NT, p.state), last)  # [hb, C, K]
+  d_total = _rows(_row(jnp.sum(state * dnext, axis=2, keepdims=True), kd),
+                  seg["carry_end"])
+  dwu = jnp.concatenate(
+      [-_rows(_dot(dv_new, state, _BATCH_NT, p.state), carry), dv_new], axis=2)
   dr = _solve_transposed(x["inv"], x["powers"], dwu, p.solve)
   da = jnp.where(masks["below"], -_dot(dr, wu, _BATCH_NT, p.solve), 0.0)
   dbeta = (jnp.sum(da * x["s_kk"], axis=2, keepdims=True)
@@ -635,8 +714,10 @@ def _backward_kernel(*refs, t: Config):
            total=_lanes(d_total),
            rowf=_lanes(dqr * q3 + dkr * k3),
            colfs=[_lanes(dkc * k3) for dkc in dkcs])
-  _write_gradients(r, (dq, dk, dv, _factors_backward(f, d, c, nb), dbeta),
-                   rate, saved, t)
+  # Padding's g and beta were set to 0: no gradient reaches them.
+  dg = _unpadded(_factors_backward(f, d, c, nb), seg["keep"])
+  _write_gradients(r, (dq, dk, dv, dg, _rows(dbeta, seg["keep"])), rate,
+                   saved, t)
 
   @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
   def _():
@@ -741,7 +822,7 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
         use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
         heads_per_block=None, strided=False, fused_backward=False,
-        interpret=False):
+        segment_ids=None, interpret=False):
   """The KDA forward on the op's raw inputs, preparation inside the kernel.
 
   q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -753,8 +834,16 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   in XLA, runs the backward kernel and pulls the gradients back through the
   preparation. With `fused_backward` the backward kernel prepares each
   block and pulls back itself (`Config.fused_backward`): no prepared copy,
-  no float32 gradient of q, k or g goes through HBM. Returns (o [B, T, H, V]
-  in q's dtype, final state float32).
+  no float32 gradient of q, k or g goes through HBM.
+
+  `segment_ids` [B, T] (1-indexed, 0 = padding; the op's segment
+  semantics, `common`) packs sequences for training: each chunk restricts
+  its pairs and its reads and writes of the carried state to runs
+  (`_run_masks`); no initial state is taken with them and no final state is
+  returned (their per-segment forms are not in the kernel yet).
+
+  Returns (o [B, T, H, V] in q's dtype, final state float32, or None with
+  `segment_ids`).
   """
   if not isinstance(precision, Precisions):
     raise ValueError(f"precision must be a Precisions; got {precision!r}.")
@@ -767,7 +856,9 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
     raise ValueError("use_gate_in_kernel needs a_log [H] and dt_bias [H*K].")
   _check_raw(q, k, v, g, beta, initial_state, chunk=chunk,
              lower_bound=lower_bound, gated=gated, interpret=interpret)
-  b, _, h, kd = q.shape
+  b, seq, h, kd = q.shape
+  if segment_ids is not None:
+    _check_segments(segment_ids, (b, seq), initial_state, strided)
   prep = Prep(l2norm=bool(use_qk_l2norm), scale=float(scale),
               lower_bound=float(lower_bound) if gated else None)
   t = Config(chunk=chunk,
@@ -775,10 +866,29 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
              key_dim=kd, value_dim=v.shape[-1],
              has_initial_state=initial_state is not None,
              precision=precision, interpret=bool(interpret), prep=prep,
-             strided=bool(strided), fused_backward=bool(fused_backward))
+             strided=bool(strided), fused_backward=bool(fused_backward),
+             segmented=segment_ids is not None)
   if not gated:
     a_log = dt_bias = None
-  return _kda_raw(t, q, k, v, g, beta, initial_state, a_log, dt_bias)
+  o, final = _kda_raw(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
+                      segment_ids)
+  return o, None if t.segmented else final
+
+
+def _check_segments(segment_ids, shape, initial_state, strided):
+  """The kernels' limits on packed segments (and their shape)."""
+  if tuple(segment_ids.shape) != shape or not jnp.issubdtype(
+      segment_ids.dtype, jnp.integer):
+    raise ValueError(f"segment_ids must be integers of shape [B, T] = {shape};"
+                     f" got {segment_ids.dtype} {tuple(segment_ids.shape)}.")
+  if initial_state is not None:
+    raise NotImplementedError(
+        "pallas_batched takes packed segments without an initial state (the"
+        " per-segment states [B, N, H, K, V] are not in the kernel yet).")
+  if strided:
+    raise NotImplementedError(
+        "pallas_batched reads packed segments in its blocked layout only;"
+        " got strided=True.")
 
 
 def _check_raw(q, k, v, g, beta, initial_state, *, chunk, lower_bound, gated,
@@ -808,37 +918,43 @@ def _prepared(t: Config, q, k, g, a_log, dt_bias):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kda_raw(t: Config, q, k, v, g, beta, initial_state, a_log, dt_bias):
-  return _forward(t, q, k, v, g, beta, initial_state, a_log, dt_bias)
+def _kda_raw(t: Config, q, k, v, g, beta, initial_state, a_log, dt_bias,
+             segment_ids):
+  return _forward(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
+                  segment_ids)
 
 
-def _kda_raw_fwd(t, q, k, v, g, beta, initial_state, a_log, dt_bias):
+def _kda_raw_fwd(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
+                 segment_ids):
   o, final, states = _forward(dataclasses.replace(t, save_states=True),
-                              q, k, v, g, beta, initial_state, a_log, dt_bias)
-  return (o, final), (q, k, v, g, beta, initial_state, a_log, dt_bias, states)
+                              q, k, v, g, beta, initial_state, a_log, dt_bias,
+                              segment_ids)
+  return (o, final), (q, k, v, g, beta, initial_state, a_log, dt_bias,
+                      segment_ids, states)
 
 
 def _kda_raw_bwd(t, residuals, cotangents):
-  q, k, v, g, beta, initial_state, a_log, dt_bias, states = residuals
+  (q, k, v, g, beta, initial_state, a_log, dt_bias, segment_ids,
+   states) = residuals
   do, dfinal = cotangents
   cast = lambda x, like: None if like is None else x.astype(like.dtype)
   if t.fused_backward:
     dq, dk, dv, dg, dbeta, ds0, da, ddt = _backward(
-        t, q, k, v, g, beta, states, do, dfinal, a_log, dt_bias)
+        t, q, k, v, g, beta, states, do, dfinal, a_log, dt_bias, segment_ids)
     return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
             cast(dbeta, beta), cast(ds0, initial_state), cast(da, a_log),
-            cast(ddt, dt_bias))
+            cast(ddt, dt_bias), None)
   (qp, kp, gp), pull = jax.vjp(
       lambda q, k, g, a, d: _prepared(t, q, k, g, a, d), q, k, g, a_log,
       dt_bias)
   bare = dataclasses.replace(t, prep=None)
-  dqp, dkp, dv, dgp, dbeta, ds0 = _backward(bare, qp, kp, v, gp, beta, states,
-                                            do, dfinal)
+  dqp, dkp, dv, dgp, dbeta, ds0 = _backward(
+      bare, qp, kp, v, gp, beta, states, do, dfinal, segment_ids=segment_ids)
   dq, dk, dg, da, ddt = pull((dqp.astype(qp.dtype), dkp.astype(kp.dtype),
                               dgp))
   return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
           cast(dbeta, beta), cast(ds0, initial_state), cast(da, a_log),
-          cast(ddt, dt_bias))
+          cast(ddt, dt_bias), None)
 
 
 _kda_raw.defvjp(_kda_raw_fwd, _kda_raw_bwd)
@@ -859,6 +975,8 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
   chunk_state = pl.BlockSpec((hb, pl.squeezed, kd, vd),
                              lambda i, j: (i, at(j), 0, 0))
   lanes = pl.BlockSpec((1, hb * kd), lambda i, j: (0, i % nh))
+  runs = pl.BlockSpec((pl.squeezed, pl.squeezed, 2, c),
+                      lambda i, j: (i // nh, at(j), 0, 0))  # `_run_rows`
   if t.strided:  # rows (b, t, h) of [B*T*H, d]; all heads a step (nh = 1)
     tok = lambda d: pl.BlockSpec((c * h, d), lambda i, j: (i * n + at(j), 0))
     rows = pl.BlockSpec((c, h), lambda i, j: (i * n + at(j), 0))
@@ -878,7 +996,7 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
         unbeta=lambda x: jnp.transpose(x.reshape(b, n, h, c),
                                        (0, 1, 3, 2)).reshape(b, tp, h))
   return n, tp, dict(tok=tok, rows=rows, state=state,
-                     chunk_state=chunk_state, lanes=lanes), views
+                     chunk_state=chunk_state, lanes=lanes, runs=runs), views
 
 
 def _gate_lanes(a_log, dt_bias, kd):
@@ -896,11 +1014,11 @@ def _params(budget):
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
-             dt_bias=None):
+             dt_bias=None, segment_ids=None):
   """(o, final state[, chunk states [B*H, T/C, K, V] with t.save_states]).
 
   With `t.prep`, q, k and g are raw (the kernel prepares them; a_log and
-  dt_bias feed the fused gate).
+  dt_bias feed the fused gate); `segment_ids` [B, T] with `t.segmented`.
   """
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
@@ -917,6 +1035,9 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
   args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
           view["beta"](beta)]
+  if t.segmented:
+    in_specs.append(spec["runs"])
+    args.append(_run_rows(segment_ids, n, t.chunk))
   if t.gated:
     in_specs += [spec["lanes"], spec["lanes"]]
     args += _gate_lanes(a_log, dt_bias, kd)
@@ -950,7 +1071,7 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
-              dt_bias=None):
+              dt_bias=None, segment_ids=None):
   """(dq, dk, dv, dg, dbeta, d initial state[, d a_log, d dt_bias]).
 
   Without `t.prep`, on prepared inputs, the gradients in float32. With it
@@ -973,6 +1094,9 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
   in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
   args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
           view["beta"](beta)]
+  if t.segmented:
+    in_specs.append(spec["runs"])
+    args.append(_run_rows(segment_ids, n, t.chunk))
   if t.gated:
     in_specs += [spec["lanes"], spec["lanes"]]
     args += _gate_lanes(a_log, dt_bias, kd)

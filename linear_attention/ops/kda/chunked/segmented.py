@@ -22,25 +22,6 @@ from linear_attention.ops.kda.chunked import grouped
 from linear_attention.ops.kda.chunked import intra
 from linear_attention.ops.kda.chunked import linalg
 
-def runs(segment_ids):
-  """Forward-filled run structure of [B, T] segment ids.
-
-  Returns (run_seg, run_index, start): the segment a token's run belongs to
-  (padding joins the run before it; leading padding is run segment 0), a
-  per-row run counter, and where runs start.
-  """
-  b, t = segment_ids.shape
-  pos = jnp.arange(t)[None, :]
-  last_valid = jax.lax.cummax(jnp.where(segment_ids > 0, pos, -1), axis=1)
-  run_seg = jnp.where(
-      last_valid >= 0,
-      jnp.take_along_axis(segment_ids, jnp.maximum(last_valid, 0), axis=1), 0)
-  prev = jnp.concatenate(
-      [jnp.full((b, 1), -1, run_seg.dtype), run_seg[:, :-1]], axis=1)
-  start = run_seg != prev
-  run_index = jnp.cumsum(start, axis=1) - 1
-  return run_seg, run_index, start
-
 
 def _chunks(q, k, v, g, beta, segment_ids, nc, c):
   """Padding made a no-op, the sequence padded to `nc` chunks of `c` tokens.
@@ -66,7 +47,7 @@ def _chunks(q, k, v, g, beta, segment_ids, nc, c):
       x.reshape((b, nc, c) + x.shape[2:]), 3, 2)
   qkvg = tuple(map(to_chunks, (q, k, v, g)))
   bc = jnp.moveaxis(beta.reshape(b, nc, c, h), 3, 2)
-  run_seg, run_index, start = runs(segment_ids)
+  run_seg, run_index, start = common.segment_runs(segment_ids)
   per_chunk = lambda x: x.reshape(b, nc, 1, c)  # broadcast over H
   run_c, start_c, seg_c = map(per_chunk, (run_index, start, run_seg))
   cont = (run_c == run_c[..., :1]) & ~start_c[..., :1]
