@@ -33,6 +33,12 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   a step);
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 
+`--precision` sets our implementations' matmul precision: a name of the
+op ("auto", "highest", "high", "default") or four, comma-separated, one per
+group (scores, solve, state, output; `ops/kda/precision.py`), e.g.
+`highest,high,highest,high` (measured within the op's float32 bounds in
+interpret mode; docs/kernel.md).
+
 `--documents=N` packs every row with documents of N tokens (segment ids
 1, 2, ...; the last one shorter), as training on packed text calls the op;
 `chunked` and the `batched` kernels (not strided) take them, the others
@@ -86,8 +92,25 @@ def kernel_op(heads_per_block=None, forward=pallas_tpu.kda_forward):
   return f
 
 
+def parse_precision(text):
+  """--precision: an op name, or four group names (scores, solve, state,
+  output) -> what `precision_lib.resolve` takes."""
+  names = text.split(",")
+  if len(names) == 1:
+    precision_lib.validate(text)
+    return text
+  levels = {"highest": jax.lax.Precision.HIGHEST,
+            "high": jax.lax.Precision.HIGH,
+            "default": jax.lax.Precision.DEFAULT}
+  if len(names) != 4 or any(n not in levels for n in names):
+    raise ValueError(f"--precision: a name of {precision_lib.NAMES} or four"
+                     f" of {tuple(levels)} (scores, solve, state, output);"
+                     f" got {text!r}")
+  return precision_lib.Precisions(*(levels[n] for n in names))
+
+
 def batched_op(heads_per_block=None, strided=False, fused_backward=False,
-               segment_ids=None):
+               segment_ids=None, precision="auto"):
   """Our batched-heads kernel on the raw inputs (preparation inside it)."""
   interpret = jax.devices()[0].platform != "tpu"
 
@@ -95,7 +118,8 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
     o, _ = pallas_batched.kda(
         q, k, v, g, beta, scale=q.shape[-1] ** -0.5, a_log=a_log,
         dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
-        use_qk_l2norm=True, precision=precision_lib.resolve("auto", q.dtype),
+        use_qk_l2norm=True,
+        precision=precision_lib.resolve(precision, q.dtype),
         heads_per_block=heads_per_block, strided=strided,
         fused_backward=fused_backward, segment_ids=segment_ids,
         interpret=interpret)
@@ -103,13 +127,13 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
   return f
 
 
-def chunked_op(segment_ids):
-  """The op's chunked backend on packed rows."""
+def chunked_op(segment_ids=None, precision="auto"):
+  """The op's chunked backend (on packed rows with `segment_ids`)."""
   def f(q, k, v, g, beta, a_log, dt_bias):
     return ops.kimi_delta_attention(
         q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
         use_gate_in_kernel=True, use_qk_l2norm=True, segment_ids=segment_ids,
-        backend="chunked")[0]
+        backend="chunked", precision=precision)[0]
   return f
 
 
@@ -118,29 +142,22 @@ def documents(b, t, n):
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // n + 1, (b, t))
 
 
-def implementation(name, segment_ids=None):
-  if segment_ids is not None:
-    if name == "chunked":
-      return chunked_op(segment_ids)
-    if name.startswith("batched") and name != "batched_strided":
-      return batched_op(heads_per_block=16 if "hb16" in name else None,
-                        fused_backward=name.endswith("_fused"),
-                        segment_ids=segment_ids)
+def implementation(name, segment_ids=None, precision="auto"):
+  if segment_ids is not None and name in ("kernel", "batched_strided",
+                                          "tokamax_mosaic"):
     raise ValueError(f"--documents: {name} takes no packed segments here")
+  if name != "chunked" and not name.startswith("batched") and (
+      precision != "auto"):
+    raise ValueError(f"--precision: {name} runs at its own precision here")
   if name == "chunked":
-    return kda_tpu.op("chunked")
+    return chunked_op(segment_ids, precision)
   if name == "kernel":
     return kernel_op()
-  if name == "batched":
-    return batched_op()
-  if name == "batched_hb16":
-    return batched_op(heads_per_block=16)
-  if name == "batched_strided":
-    return batched_op(strided=True)
-  if name == "batched_fused":
-    return batched_op(fused_backward=True)
-  if name == "batched_hb16_fused":
-    return batched_op(heads_per_block=16, fused_backward=True)
+  if name.startswith("batched"):
+    return batched_op(heads_per_block=16 if "hb16" in name else None,
+                      strided=name == "batched_strided",
+                      fused_backward=name.endswith("_fused"),
+                      segment_ids=segment_ids, precision=precision)
   if name == "tokamax_mosaic":
     return kda_tpu.tokamax_mosaic()
   raise ValueError(f"--impls: unknown implementation {name!r}; allowed: "
@@ -296,6 +313,8 @@ def main():
   p.add_argument("--calls", type=cli.positive_int, default=3,
                  help="calls recorded (with --summarize: in the trace read)")
   p.add_argument("--top", type=cli.positive_int, default=15)
+  p.add_argument("--precision", default="auto",
+                 help="an op precision name, or four group names")
   p.add_argument("--documents", type=int, default=0,
                  help="pack rows with documents of this many tokens (0: none)")
   p.add_argument("--summarize", default=None,
@@ -314,6 +333,10 @@ def main():
     unknown = [n for n in given.split(",") if n not in known]
     if unknown:
       p.error(f"{flag}: unknown {unknown}; allowed: {', '.join(known)}")
+  try:
+    precision = parse_precision(a.precision)
+  except ValueError as e:
+    p.error(str(e))
   if a.documents < 0:
     p.error(f"--documents: 0 (none) or a document length; got {a.documents}")
   os.makedirs(a.out, exist_ok=True)
@@ -322,13 +345,13 @@ def main():
   results = {}
   meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
               host=platform.node(), shape=shape, dtype=a.dtype,
-              calls=a.calls, documents=a.documents)
+              calls=a.calls, documents=a.documents, precision=a.precision)
   for impl in a.impls.split(","):
     for pass_name in a.passes.split(","):
       key = f"{impl}_{pass_name}"
       try:
         results[key] = profile_one(
-            with_pass(implementation(impl, ids), pass_name), args,
+            with_pass(implementation(impl, ids, precision), pass_name), args,
             os.path.join(a.out, key), a.calls)
       except Exception as e:  # pylint: disable=broad-except
         results[key] = dict(error=repr(e)[:2000] + traceback.format_exc()[-3000:])

@@ -22,7 +22,7 @@ from linear_attention import ops
 from linear_attention import testing
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
-from linear_attention.ops.kda.precision import ACCURATE, FAST
+from linear_attention.ops.kda.precision import ACCURATE, FAST, Precisions
 from tests.ops.test_kda_pallas import (RTOL_BF16_OUT, RTOL_F32, _grads_pair,
                                        oracle, prepared)
 
@@ -420,3 +420,56 @@ def test_packed_segments_limits():
     pallas_batched.kda(q, k, v, g, beta, segment_ids=ids, strided=True, **kw)
   with pytest.raises(ValueError, match="segment_ids"):
     pallas_batched.kda(q, k, v, g, beta, segment_ids=ids[:, :32], **kw)
+
+
+_P = jax.lax.Precision
+
+
+def test_products_round_as_on_the_chip():
+  # The kernel's products at each precision, against float64, on any
+  # device: DEFAULT one bfloat16 pass, HIGH three (bf16x3, written out, so
+  # not exact float32 on a CPU), HIGHEST float32. Measured here at
+  # [64, 128] x [128, 128]: 2.4e-3, 4.5e-6, 2.0e-7.
+  rng = np.random.default_rng(0)
+  a, b = rng.normal(size=(2, 64, 128)), rng.normal(size=(2, 128, 128))
+  exact = np.einsum("bmk,bkn->bmn", a, b)
+  err = {p: testing.relative_l2_error(pallas_batched._dot(
+      jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+      pallas_batched._BATCH_NN, p), exact)
+         for p in (_P.DEFAULT, _P.HIGH, _P.HIGHEST)}
+  assert 1e-3 < err[_P.DEFAULT] < 5e-3, err
+  assert 1e-6 < err[_P.HIGH] < 2e-5, err
+  assert err[_P.HIGHEST] < 1e-6, err
+
+
+# The op's float32 bounds (tests/ops/test_kda_device_accuracy.py): output and
+# state 1e-5, gradients 1e-4, those of g, beta and the gate's parameters 5e-4.
+F32_OP_BOUNDS = dict(output=1e-5, final_state=1e-5, dq=1e-4, dk=1e-4, dv=1e-4,
+                     ds0=1e-4, dg=5e-4, dbeta=5e-4, da_log=5e-4,
+                     ddt_bias=5e-4)
+
+
+@pytest.mark.parametrize("precision", [
+    Precisions.every(_P.HIGH),
+    Precisions(scores=_P.HIGHEST, solve=_P.HIGH, state=_P.HIGHEST,
+               output=_P.HIGH)])
+@pytest.mark.parametrize("fused_backward", [False, True])
+def test_float32_at_three_passes_keeps_the_op_bounds(precision,
+                                                     fused_backward):
+  # HIGH is three bfloat16 products written out (`_dot`), so these are the
+  # chip's numbers, not exact float32 ones. Measured here (T = 1024): HIGH
+  # everywhere 6.6e-6 on the output (the tightest margin, 1.5x), 3.5e-6 on
+  # the state, gradients <= 6.7e-6 but dg 1.6e-5 and d dt_bias 3.3e-5;
+  # HIGHEST on scores and state 5.1e-6 on the output, gradients <= 5.0e-6.
+  # (At T = 4096 and lower bounds -5, -1, -0.1 with a_log = -3, HIGH
+  # everywhere kept 6.8e-6 on the output, d a_log up to 2.6e-4; any group
+  # at one pass missed: 2.3e-4..3.6e-3 on the output.)
+  (out, grads), (out64, grads64) = _raw_pair(
+      1024, gated=True, l2norm=True, precision=precision,
+      fused_backward=fused_backward)
+  pairs = list(zip(("output", "final_state") + RAW_NAMES,
+                   list(out) + list(grads), list(out64) + list(grads64)))
+  for name, x, w in pairs:
+    testing.assert_close(x, np.asarray(w), rtol=F32_OP_BOUNDS[name],
+                         name=name)
+  assert len(pairs) == len(F32_OP_BOUNDS)
