@@ -19,12 +19,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _small_corpus(folder):
-  """A few hundred small .py files: a stand-in for the standard library."""
+  """A stand-in for the standard library: files of 8 to 24 bytes, so that
+  every 32-byte row of the smoke config packs several documents."""
   rng = np.random.default_rng(0)
-  for i in range(300):
+  for i in range(600):
     (folder / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
     (folder / f"pkg{i % 4}" / f"m{i}.py").write_bytes(
-        bytes(rng.integers(32, 127, 200).astype(np.uint8)))
+        bytes(rng.integers(32, 127, rng.integers(8, 25)).astype(np.uint8)))
   return folder
 
 

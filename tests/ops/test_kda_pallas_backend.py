@@ -1,15 +1,15 @@
 """Backend "pallas" (our Pallas TPU kernels) through the public op.
 
 Compiled on a TPU, in Pallas interpret mode elsewhere
-(`mosaic.interpreted()`), against the
-`reference` backend in float64 (itself anchored by float64 finite
-differences): outputs, final states and every gradient (a_log and dt_bias
-included) under random cotangents, with grouped value heads, T not a
-multiple of the chunk, an initial state and beta in [0, 2]; each limit the
-backend names (`NotImplementedError` with its reason; "auto" passes over it);
-packed segments as training uses them (no states); the op exported for a
-TPU v5e with `backend="pallas"` (two Mosaic
-kernels in its gradient); and where "auto" picks it (the measured class).
+(`mosaic.interpreted()`), against the `reference` backend in float64
+(itself anchored by float64 finite differences): outputs, final states and
+every gradient (a_log and dt_bias included) under random cotangents, with
+grouped value heads, T not a multiple of the chunk, an initial state and
+beta in [0, 2]; packed segments as training uses them (no states); each
+limit the backend names (`NotImplementedError` with its reason; "auto"
+passes over it); the op exported for a TPU v5e with `backend="pallas"` (two
+Mosaic kernels in its gradient); and where "auto" picks it (the measured
+class).
 """
 
 import contextlib

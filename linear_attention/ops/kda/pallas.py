@@ -25,11 +25,11 @@ over it):
 than every other backend on a chip (`auto_declines`; docs/kernel.md,
 `benchmarks/results/kda_tpu_profile_milestone_v5e.json`): a TPU v5e,
 bfloat16 q, k, v at precision "auto", K = V = 128, H a multiple of 16,
-T >= 4096, 64-token chunks, the q/k L2 norm and no packed segments. There, at B1 T8192 H32 and
-B8 T4096 H16, it took 2.6 and 5.4 ms of device time forward (the chunked
-backend 5.8 ms at the first shape; tokamax's kernel 4.0 and 8.6 ms) and
-12.0 and 24.8 ms forward and backward (chunked 26.9; tokamax 12.1 and
-27.2). Elsewhere it has not been timed
+T >= 4096, 64-token chunks, the q/k L2 norm and no packed segments. There,
+at B1 T8192 H32 and B8 T4096 H16, it took 2.6 and 5.4 ms of device time
+forward (the chunked backend 5.8 ms at the first shape; tokamax's kernel
+4.0 and 8.6 ms) and 12.0 and 24.8 ms forward and backward (chunked 26.9;
+tokamax 12.1 and 27.2). Elsewhere it has not been timed
 against the others, so "auto" passes over it; `backend="pallas"` runs it
 wherever `supports` allows.
 

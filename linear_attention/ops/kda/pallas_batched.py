@@ -325,19 +325,25 @@ def _tri_masks(c):
               eye=jnp.where(ri == ci, 1.0, 0.0).astype(_F32)[None])
 
 
+RUN_ROWS = 8  # rows of a chunk's run block (one sublane tile; 2 used)
+
+
 def _run_rows(segment_ids, n, c):
-  """Packed segments as [B, n, 2, C] float32 rows, one pair per chunk: the
+  """Packed segments as [B, n, 8, C] float32, one block per chunk: row 0 the
   run starts (`common.segment_runs`) from the chunk's first token up to each
-  token, and 1 for a token, 0 for padding (time padding included)."""
+  token, row 1 1 for a token and 0 for padding (time padding included), the
+  rest 0 (the block fills a sublane tile)."""
   b, seq = segment_ids.shape
   ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, n * c - seq)])
   _, _, start = common.segment_runs(ids)
   starts = jnp.cumsum(start.reshape(b, n, c).astype(jnp.int32), axis=2)
-  return jnp.stack([starts, (ids > 0).reshape(b, n, c)], axis=2).astype(_F32)
+  rows = jnp.stack([starts, (ids > 0).reshape(b, n, c)], axis=2)
+  return jnp.pad(rows.astype(_F32),
+                 [(0, 0), (0, 0), (0, RUN_ROWS - 2), (0, 0)])
 
 
 def _run_masks(runs, masks, c):
-  """A chunk's masks with packed segments, from its run rows [2, C].
+  """A chunk's masks with packed segments, from its run rows [8, C].
 
   Two tokens interact only inside one run, so the causal and strictly lower
   pair masks keep pairs with equal run-start counts. Returns those masks and
@@ -351,7 +357,8 @@ def _run_masks(runs, masks, c):
   row = runs[0:1]  # [1, C]
   col = _column(row[None], c)  # [1, C, 1]
   same = col == row[None]  # [1, C, C]
-  end = row[:, c - 1:c][None]  # [1, 1, 1]
+  # The last token's count, the largest (counts never fall), [1, 1, 1].
+  end = jnp.max(row, axis=1, keepdims=True)[None]
   one = lambda cond: jnp.where(cond, 1.0, 0.0)
   return (dict(masks, causal=masks["causal"] & same,
                below=masks["below"] & same),
@@ -593,9 +600,12 @@ def _rows(x, mask):
   return x if mask is None else x * mask
 
 
-def _unpadded(g2, keep):
-  """g2 [C, hb*K] with padding's rows set to 0 (keep [1, C, 1] or None)."""
-  return g2 if keep is None else jnp.where(keep[0] > 0.0, g2, 0.0)
+def _unpadded(x2, keep):
+  """x2 [C, N] with padding's rows set to 0 (keep [1, C, 1] or None); a
+  select, so that any value there (NaN included) is dropped."""
+  if keep is None:
+    return x2
+  return jnp.where(jnp.broadcast_to(keep[0], x2.shape) > 0.0, x2, 0.0)
 
 
 _NO_RUNS = dict(carry=None, last=None, keep=None, carry_end=None)
@@ -605,8 +615,10 @@ def _load_chunk(r, t: Config):
   """A grid step's chunk from its blocks, for both kernels.
 
   Reads q, k, g (prepared here with `t.prep`), v and beta; with segments
-  the run masks (`_run_masks`) and padding's g and beta set to 0 (it then
-  leaves the state alone and adds to no other token). Returns the chunk
+  the run masks (`_run_masks`), padding's q, k, v, g and beta set to 0 as
+  read (as the chunked backend does: whatever padding holds is dropped) and
+  its prepared g to 0 (it then leaves the state alone and adds to no other
+  token). Returns the chunk
   (`_chunk`), the prepared q2 and k2, the masks, the run columns
   (`_NO_RUNS` without segments: every mask None), the preparation's
   intermediates and the gate's rate row.
@@ -614,15 +626,17 @@ def _load_chunk(r, t: Config):
   masks, seg = _tri_masks(t.chunk), _NO_RUNS
   if t.segmented:
     masks, seg = _run_masks(r["runs"][...], masks, t.chunk)
-  q2, k2, g2 = _read(r["q"], t), _read(r["k"], t), _read(r["g"], t)
+  keep = seg["keep"]
+  q2, k2, g2, v2 = (_unpadded(_read(r[n], t), keep) for n in "qkgv")
   rate = r["rate"][...] if t.gated else None
   saved = None
   if t.prep is not None:
     q2, k2, g2, saved = _prepare_block(
         q2, k2, g2, rate, r["dtb"][...] if t.gated else None, t)
-  beta = _rows(_read_beta(r["b"], t), seg["keep"])
-  x = _chunk(q2, k2, _read(r["v"], t), _unpadded(g2, seg["keep"]), beta, t,
-             masks)
+  beta = _read_beta(r["b"], t)
+  if keep is not None:
+    beta = jnp.where(jnp.broadcast_to(keep, beta.shape) > 0.0, beta, 0.0)
+  x = _chunk(q2, k2, v2, _unpadded(g2, keep), beta, t, masks)
   return x, q2, k2, masks, seg, saved, rate
 
 
@@ -993,7 +1007,7 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
   chunk_state = pl.BlockSpec((hb, pl.squeezed, kd, vd),
                              lambda i, j: (i, at(j), 0, 0))
   lanes = pl.BlockSpec((1, hb * kd), lambda i, j: (0, i % nh))
-  runs = pl.BlockSpec((pl.squeezed, pl.squeezed, 2, c),
+  runs = pl.BlockSpec((pl.squeezed, pl.squeezed, RUN_ROWS, c),
                       lambda i, j: (i // nh, at(j), 0, 0))  # `_run_rows`
   if t.strided:  # rows (b, t, h) of [B*T*H, d]; all heads a step (nh = 1)
     tok = lambda d: pl.BlockSpec((c * h, d), lambda i, j: (i * n + at(j), 0))

@@ -1,6 +1,8 @@
 """The KDA op's matmul precision: owned by the op, not the process default.
 
-On a CPU every float32 matmul is exact float32 whatever the precision says.
+On a CPU every float32 matmul is exact float32 whatever the precision says
+(except backend `pallas`'s HIGH, written out as three bfloat16 products so
+that interpret mode has the chip's rounding: `pallas_batched._dot`).
 On a TPU (and on a GPU with TF32) JAX's default precision runs a float32
 matmul as one bfloat16 pass (8 bits of mantissa), and the chunked form's
 output then differs from the float64 recurrence by ~4e-3 (relative L2; the

@@ -27,7 +27,7 @@ def _chunks(q, k, v, g, beta, segment_ids, nc, c):
   """Padding made a no-op, the sequence padded to `nc` chunks of `c` tokens.
 
   Returns (valid [B, T], (qc, kc, vc, gc) [B, NC, H, C, *], bc [B, NC, H, C],
-  (run_seg, run_index) [B, NC * C] (see `runs`), and per chunk (run_c,
+  (run_seg, run_index) [B, NC * C] (see `common.segment_runs`), and per chunk (run_c,
   start_c, seg_c, cont) [B, NC, 1, C], cont: a token reads the carried state
   (its run began before the chunk)).
   """
