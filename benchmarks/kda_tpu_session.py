@@ -1,0 +1,156 @@
+r"""The kernel measurements still owed, in priority order, in one process.
+
+    python -m benchmarks.kda_tpu_session --out=DIR --budget_s=480  # a TPU
+    python -m benchmarks.kda_tpu_session --out=DIR --smoke          # any host
+
+A chip session is short, so the measurements that decide something come
+first, all in one process (JAX and the kernels imported and warmed once).
+Each step profiles implementations of `benchmarks/kda_tpu_profile.py` at one
+shape (device time per call from a `jax.profiler` trace, as that script
+does); `DIR/kda_tpu_session.json` is rewritten after every profile, so a run
+cut short keeps what it measured, and a profile that would start with less
+than `--reserve_s` of the budget left is skipped and marked so. The traces
+go to `--trace_dir` (a temporary folder by default), not to DIR.
+
+Steps (docs/kernel.md, "Next"; bfloat16 and B1 T8192 H32 K128 unless
+named):
+
+1. `fused_b1`: the fused backward against the XLA pull-back (16 heads a
+   step), forward+backward: whether the fused one becomes the default.
+2. `fused_b8`: the same at B8 T4096 H16.
+3. `float32`: float32 inputs through the fused kernels at each precision
+   assignment measured within the op's float32 bounds (and at one pass,
+   the 1.3x reference), forward and forward+backward.
+4. `segments`: rows of 1024-token documents, `chunked` against our
+   kernels on the same ids, forward and forward+backward.
+5. `short_t`: T = 2048 and 1024 (B1 H32): `chunked`, our kernels and
+   tokamax's, forward and forward+backward (`auto`'s class).
+6. `strided`: the strided forward (float32 output rows), which failed to
+   compile with 16-bit rows before.
+
+`--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
+profile: on a CPU the kernels run in interpret mode, a check of the script,
+not a measurement.
+"""
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+
+import jax
+
+from benchmarks import kda_tpu
+from benchmarks import kda_tpu_profile as profile
+from experiments.tools import cli
+
+F32_PRECISIONS = ("default", "highest", "high", "highest,high,highest,high")
+HB16 = ("batched_hb16", "batched_hb16_fused")
+
+
+def steps():
+  """[(step, shape, dtype, [(impl, precision)], passes, documents)]."""
+  big, wide = (1, 8192, 32, 128), (8, 4096, 16, 128)
+  both = ("fwd", "fwd_bwd")
+  plan = [
+      ("fused_b1", big, "bfloat16", [(i, "auto") for i in HB16],
+       ("fwd_bwd",), 0),
+      ("fused_b8", wide, "bfloat16", [(i, "auto") for i in HB16],
+       ("fwd_bwd",), 0),
+      ("float32", big, "float32",
+       [("batched_fused", p) for p in F32_PRECISIONS], both, 0),
+      ("segments", big, "bfloat16",
+       [(i, "auto") for i in ("chunked",) + HB16], both, 1024),
+  ]
+  for t in (2048, 1024):
+    plan.append((f"short_t{t}", (1, t, 32, 128), "bfloat16",
+                 [(i, "auto") for i in ("chunked",) + HB16
+                  + ("tokamax_mosaic",)], both, 0))
+  plan.append(("strided", big, "bfloat16", [("batched_strided", "auto")],
+               ("fwd",), 0))
+  return plan
+
+
+STEP_NAMES = tuple(s[0] for s in steps())
+
+
+def _profile(impl, pass_name, precision, ids, args, logdir, calls):
+  """One profile's summary, or its error (the run goes on)."""
+  try:
+    fn = profile.with_pass(profile.implementation(
+        impl, ids, profile.parse_precision(precision)), pass_name)
+    return profile.profile_one(fn, args, logdir, calls)
+  except Exception as e:  # pylint: disable=broad-except
+    return dict(error=repr(e)[:2000] + traceback.format_exc()[-3000:])
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default="kda_tpu_session", type=cli.output_folder)
+  p.add_argument("--budget_s", type=cli.positive_int, default=480,
+                 help="seconds for the whole run")
+  p.add_argument("--reserve_s", type=int, default=45,
+                 help="no profile starts with less than this left")
+  p.add_argument("--steps", default=",".join(STEP_NAMES),
+                 help="a subset of the steps, in the order given")
+  p.add_argument("--calls", type=cli.positive_int, default=3)
+  p.add_argument("--trace_dir", default=None)
+  p.add_argument("--smoke", action="store_true",
+                 help="B1 T128 H16 K128, one call a profile (a check)")
+  a = p.parse_args()
+  chosen = a.steps.split(",")
+  unknown = [s for s in chosen if s not in STEP_NAMES]
+  if unknown:
+    p.error(f"--steps: unknown {unknown}; allowed: {', '.join(STEP_NAMES)}")
+  if a.reserve_s < 0:
+    p.error(f"--reserve_s: 0 or more seconds; got {a.reserve_s}")
+  plan = {s[0]: s for s in steps()}
+  calls = 1 if a.smoke else a.calls
+  trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="kda_tpu_session_")
+  os.makedirs(a.out, exist_ok=True)
+  path = os.path.join(a.out, "kda_tpu_session.json")
+  start = time.monotonic()
+  report = dict(meta=dict(
+      device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+      host=platform.node(), calls=calls, smoke=a.smoke,
+      budget_s=a.budget_s), steps={})
+  for name in chosen:
+    _, shape, dtype, impls, passes, docs = plan[name]
+    if a.smoke:
+      shape = (1, 128, 16, 128)
+    args = kda_tpu.inputs(*shape, dtype=dtype)
+    ids = profile.documents(shape[0], shape[1], docs) if docs else None
+    step = report["steps"][name] = dict(shape=shape, dtype=dtype,
+                                        documents=docs, results={})
+    for impl, precision in impls:
+      for pass_name in passes:
+        key = f"{impl}_{pass_name}" + (
+            f"@{precision}" if precision != "auto" else "")
+        left = a.budget_s - (time.monotonic() - start)
+        if left < a.reserve_s:
+          step["results"][key] = dict(skipped=f"{left:.0f} s of the budget"
+                                      " left")
+        else:
+          step["results"][key] = _profile(
+              impl, pass_name, precision, ids, args,
+              os.path.join(trace_dir, name, key.replace("@", "_")), calls)
+        report["meta"]["elapsed_s"] = round(time.monotonic() - start, 1)
+        with open(path, "w") as fh:
+          json.dump(report, fh, indent=1)
+    del args
+  for name, step in report["steps"].items():
+    print(f"## {name} {step['shape']} {step['dtype']}")
+    for key, r in step["results"].items():
+      if "skipped" in r or "error" in r:
+        what = r.get("skipped") or "error"
+      else:
+        what = (f"device busy {r['ops_busy_us_per_call'] / 1e3:.2f} ms,"
+                f" wall {r['wall_ms_per_call']} ms")
+      print(f"  {key}: {what}")
+
+
+if __name__ == "__main__":
+  cli.run_script(main)
