@@ -163,11 +163,10 @@ def _split2(x):
 
 
 def _split3(x):
-  """x = a + b + c, each bfloat16 (exact for float32 x)."""
-  a = x.astype(_BF16)
-  r = x - a.astype(_F32)
-  b = r.astype(_BF16)
-  return a, b, (r - b.astype(_F32)).astype(_BF16)
+  """x = a + b + c, each bfloat16 (exact for float32 x): `_split2`'s head
+  and tail, and what the tail leaves."""
+  a, b = _split2(x)
+  return a, b, (x - a.astype(_F32) - b.astype(_F32)).astype(_BF16)
 
 
 def _range_matrix(c, transpose=False):
@@ -600,12 +599,14 @@ def _rows(x, mask):
   return x if mask is None else x * mask
 
 
-def _unpadded(x2, keep):
-  """x2 [C, N] with padding's rows set to 0 (keep [1, C, 1] or None); a
-  select, so that any value there (NaN included) is dropped."""
+def _unpadded(x, keep):
+  """x ([C, N] lanes or [hb, C, *] heads) with padding's rows set to 0
+  (keep [1, C, 1] or None); a select, so that any value there (NaN
+  included) is dropped."""
   if keep is None:
-    return x2
-  return jnp.where(jnp.broadcast_to(keep[0], x2.shape) > 0.0, x2, 0.0)
+    return x
+  mask = keep if x.ndim == 3 else keep[0]
+  return jnp.where(jnp.broadcast_to(mask, x.shape) > 0.0, x, 0.0)
 
 
 _NO_RUNS = dict(carry=None, last=None, keep=None, carry_end=None)
@@ -633,9 +634,7 @@ def _load_chunk(r, t: Config):
   if t.prep is not None:
     q2, k2, g2, saved = _prepare_block(
         q2, k2, g2, rate, r["dtb"][...] if t.gated else None, t)
-  beta = _read_beta(r["b"], t)
-  if keep is not None:
-    beta = jnp.where(jnp.broadcast_to(keep, beta.shape) > 0.0, beta, 0.0)
+  beta = _unpadded(_read_beta(r["b"], t), keep)
   x = _chunk(q2, k2, v2, _unpadded(g2, keep), beta, t, masks)
   return x, q2, k2, masks, seg, saved, rate
 
