@@ -208,10 +208,12 @@ def _raw_pair(t, *, gated, l2norm, h=2, b=1, init=True, dtype=jnp.float32,
     (True, False, 130, False), (True, True, 100, True)])
 def test_fused_preparation_forward_and_gradients(gated, l2norm, t, strided):
   # The kernel normalises q and k, scales q and activates the lower-bound
-  # gate itself; every gradient (a_log and dt_bias included) against the
-  # float64 reference op on the same raw inputs.
+  # gate itself; the backward in its other form (`fused_backward=False`:
+  # prepared in XLA and pulled back there); every gradient (a_log and
+  # dt_bias included) against the float64 reference op on the same inputs.
   (out, grads), (out64, grads64) = _raw_pair(t, gated=gated, l2norm=l2norm,
-                                             strided=strided)
+                                             strided=strided,
+                                             fused_backward=False)
   for name, x, w in zip(("output", "final_state"), out, out64):
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
   for name, x, w in list(zip(RAW_NAMES, grads, grads64))[:6 if not gated
