@@ -23,15 +23,25 @@ over it):
 
 "auto" picks this backend only inside the class of calls measured faster
 than every other backend on a chip (`auto_declines`; docs/kernel.md,
-`benchmarks/results/kda_tpu_profile_milestone_v5e.json`): a TPU v5e,
-bfloat16 q, k, v at precision "auto", K = V = 128, H a multiple of 16,
-T >= 4096, 64-token chunks, the q/k L2 norm and no packed segments. There,
-at B1 T8192 H32 and B8 T4096 H16, it took 2.6 and 5.4 ms of device time
-forward (the chunked backend 5.8 ms at the first shape; tokamax's kernel
-4.0 and 8.6 ms) and 12.0 and 24.8 ms forward and backward (chunked 26.9;
-tokamax 12.1 and 27.2). Elsewhere it has not been timed
-against the others, so "auto" passes over it; `backend="pallas"` runs it
+`benchmarks/results/kda_tpu_session_v5e.json` and
+`kda_tpu_profile_milestone_v5e.json`): a TPU v5e, bfloat16 q, k, v at
+precision "auto", K = V = 128, H a multiple of 16, T >= 1024, 64-token
+chunks, the q/k L2 norm, packed segments or none. There, in device time
+forward and forward+backward: B1 T8192 H32 2.6 and 6.9 ms (the chunked
+backend 5.8 and 26.9; tokamax's kernel 4.0 and 12.1), B8 T4096 H16 5.4 and
+14.0 ms (tokamax 8.6 and 27.2), B1 T1024 H32 0.28 and 0.83 ms (chunked 0.73
+and 2.79, tokamax 0.43 and 1.39), and B1 T8192 H32 packed with 1024-token
+documents 2.7 and 7.2 ms (chunked 10.7 and 39.1). Elsewhere (float32
+inputs, T below 1024, H not a multiple of 16, other chips) it has not been
+timed against the others, so "auto" passes over it; `backend="pallas"` runs it
 wherever `supports` allows.
+
+float32 inputs at precision "auto" run every group at HIGH (three bfloat16
+passes, `FLOAT32_AUTO`), not HIGHEST (six): within the op's float32 bounds
+against the float64 recurrence (output 6.8e-6, gradients 2.6e-4 at most,
+measured in interpret mode, where `pallas_batched._dot` writes HIGH out as
+the chip computes it), at 1.56x the one-pass forward time on a v5e where
+HIGHEST takes 2.14x (1.70x and 2.45x forward+backward).
 
 Grouped value heads arrive with q and k already repeated (`common.Call`).
 `group_width` (the chunked backend's schedule) does not apply and is not
@@ -45,6 +55,8 @@ from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import precision as precision_lib
 
+Precision = precision_lib.Precision
+
 NAME = "pallas"
 CHECK_VMA = False  # a pallas_call does not trace under check_vma
 NEEDS_TPU = True  # off TPU: only in Pallas interpret mode
@@ -55,8 +67,10 @@ LANES = pallas_batched.LANES
 
 # The measured class (see the module docstring).
 AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
-AUTO_MIN_T = 4096
+AUTO_MIN_T = 1024  # measured at 1024, 2048, 4096 and 8192
 AUTO_HEADS_PER_BLOCK = 16  # faster than 8 at both measured shapes
+# float32 at precision "auto" (the module docstring).
+FLOAT32_AUTO = precision_lib.Precisions.every(Precision.HIGH)
 
 
 def supports_target(target: backends.Target) -> str | None:
@@ -119,15 +133,13 @@ def auto_declines(target: backends.Target,
   if (heads_per_block(call) != AUTO_HEADS_PER_BLOCK
       or call.precision != "auto" or t < AUTO_MIN_T
       or call.chunk_size not in (None, DEFAULT_CHUNK)
-      or not call.use_qk_l2norm or call.segment_ids is not None):
+      or not call.use_qk_l2norm):
     return ("measured faster only for bfloat16 at precision 'auto', K = V"
             f" = {LANES}, H a multiple of {AUTO_HEADS_PER_BLOCK}, T >="
-            f" {AUTO_MIN_T}, {DEFAULT_CHUNK}-token chunks, the q/k L2 norm"
-            f" and no packed segments; got {call.q.dtype.name}, precision"
-            f" {call.precision!r}, K={kd}, V={call.v.shape[-1]}, H={h}, T={t},"
-            f" chunk_size={call.chunk_size}, use_qk_l2norm="
-            f"{call.use_qk_l2norm}, segment_ids given: "
-            f"{call.segment_ids is not None}")
+            f" {AUTO_MIN_T}, {DEFAULT_CHUNK}-token chunks and the q/k L2"
+            f" norm; got {call.q.dtype.name}, precision {call.precision!r},"
+            f" K={kd}, V={call.v.shape[-1]}, H={h}, T={t}, chunk_size="
+            f"{call.chunk_size}, use_qk_l2norm={call.use_qk_l2norm}")
   return None
 
 
@@ -143,6 +155,14 @@ def heads_per_block(call: common.Call) -> int | None:
   return None
 
 
+def precisions(call: common.Call) -> precision_lib.Precisions:
+  """The kernels' precision per group: the op's rule, but `FLOAT32_AUTO`
+  for float32 inputs at "auto" (see the module docstring)."""
+  if call.precision == "auto" and call.q.dtype.name == "float32":
+    return FLOAT32_AUTO
+  return precision_lib.resolve(call.precision, call.q.dtype)
+
+
 def run(call: common.Call):
   """The call on our kernels; `supports(call)` is None."""
   o, final = pallas_batched.kda(
@@ -150,7 +170,7 @@ def run(call: common.Call):
       scale=call.scale, a_log=call.a_log, dt_bias=call.dt_bias,
       lower_bound=call.lower_bound, use_gate_in_kernel=True,
       use_qk_l2norm=call.use_qk_l2norm,
-      precision=precision_lib.resolve(call.precision, call.q.dtype),
+      precision=precisions(call),
       chunk=call.chunk_size or DEFAULT_CHUNK,
       heads_per_block=heads_per_block(call), segment_ids=call.segment_ids,
       interpret=call.target.off_tpu_mode == "interpret")

@@ -11,8 +11,10 @@ every matmul it runs, by group, from its `precision` argument:
 
 * a name of `linear_attention.ops.precision` (the rule every module
   follows): "auto" (the op's default) is `ACCURATE` for float32 / float64
-  inputs and `FAST` for bfloat16 / float16 inputs; "highest", "high",
-  "default" are that `jax.lax.Precision` on every group;
+  inputs and `FAST` for bfloat16 / float16 inputs (backend `pallas` runs
+  float32 at "auto" at HIGH: within the op's float32 bounds at fewer
+  passes, `pallas.FLOAT32_AUTO`); "highest", "high", "default" are that
+  `jax.lax.Precision` on every group;
 * a `Precisions` tuple: each group by hand (for tuning and benchmarks).
 
 The groups, by what a rounding error in them does:
