@@ -32,7 +32,8 @@ interrupted run keeps what it measured) and prints a markdown table.
   H32 K128 float32 its time per heads-per-block setting and precision
   against `chunked` at the same precision (both with the final state),
   forward and forward+backward (the backward kernel).
-* `table`: B1 T8192 H32 K128 and B8 T4096 H16 K128, bfloat16 and float32,
+* `table`: B1 T8192 H32 K128 and B8 T4096 H16 K128 (or `--shapes`),
+  bfloat16 and float32 (or `--dtypes`),
   ours at "default" and at "highest" precision and tokamax `xla_chunked`,
   and on a TPU also our Pallas kernels (backend `pallas`, precision "auto")
   and tokamax's (`mosaic`, its generation check lifted),
@@ -381,12 +382,16 @@ def _rates(r, shape, mode, rate):
   return r
 
 
+TABLE_SHAPES = ((1, 8192, 32, 128), (8, 4096, 16, 128))
+TABLE_DTYPES = ("bfloat16", "float32")
+
+
 def phase_table(a, save, rate):
   shapes = ([(1, 256, 4, 32), (2, 128, 2, 32)] if a.smoke
-            else [(1, 8192, 32, 128), (8, 4096, 16, 128)])
+            else a.shapes or TABLE_SHAPES)
   rows = []
   for shape in shapes:
-    for dtype in ("bfloat16", "float32"):
+    for dtype in a.dtypes or TABLE_DTYPES:
       args = inputs(*shape, dtype=dtype)
       for mode in ("forward", "forward+backward"):
         fns = {"ours_default": _mode_fn(op(precision="default"), mode),
@@ -442,6 +447,24 @@ def markdown(phase, rows, rate):
   return "\n".join(lines)
 
 
+def _shapes(text):
+  """argparse type: 'B,T,H,K;B,T,H,K' -> [(B, T, H, K), ...]."""
+  shapes = [tuple(cli.positive_ints(x)) for x in text.split(";")]
+  if any(len(x) != 4 for x in shapes):
+    raise argparse.ArgumentTypeError(
+        f"must be B,T,H,K shapes separated by ';'; got {text!r}")
+  return shapes
+
+
+def _dtypes(text):
+  """argparse type: a comma-separated list of TABLE_DTYPES."""
+  dtypes = text.split(",")
+  if not set(dtypes) <= set(TABLE_DTYPES):
+    raise argparse.ArgumentTypeError(
+        f"must be a comma-separated list of {TABLE_DTYPES}; got {text!r}")
+  return dtypes
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--phase", required=True,
@@ -449,6 +472,12 @@ def main():
                                "kernel"))
   parser.add_argument("--repeats", type=cli.positive_int, default=7)
   parser.add_argument("--smoke", action="store_true")
+  parser.add_argument("--shapes", type=_shapes, default=None,
+                      help="table: B,T,H,K shapes (K = V) separated by ';'"
+                      " (default: both of TABLE_SHAPES)")
+  parser.add_argument("--dtypes", type=_dtypes, default=None,
+                      help="table: comma-separated, of bfloat16 and float32"
+                      " (default: both)")
   parser.add_argument("--out", default="benchmarks/results",
                       type=cli.output_folder)
   a = parser.parse_args()

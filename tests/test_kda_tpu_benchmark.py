@@ -6,6 +6,7 @@ exact-product arithmetic on a CPU: within 1e-5) and a time per variant (no
 timing is asserted). The phase is what a chip session runs first.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -38,3 +39,15 @@ def test_kernel_phase_smoke_writes_errors_and_times(tmp_path):
       (i, m) for i in ("chunked", "kernel_hb1", "kernel_hb2", "kernel_hb4")
       for m in ("forward", "forward+backward")}
   assert all(r["ms"] > 0 for r in times), times
+
+
+def test_table_takes_shapes_and_dtypes():
+  # A chip session runs the table a piece at a time (one shape, one dtype).
+  from benchmarks import kda_tpu  # pylint: disable=g-import-not-at-top
+  assert kda_tpu._shapes("8,4096,16,128;1,1024,32,128") == [
+      (8, 4096, 16, 128), (1, 1024, 32, 128)]
+  assert kda_tpu._dtypes("float32") == ["float32"]
+  for parse, text in ((kda_tpu._shapes, "1,2,3"), (kda_tpu._shapes, "1,0,2,2"),
+                      (kda_tpu._dtypes, "float16")):
+    with pytest.raises(argparse.ArgumentTypeError):
+      parse(text)
