@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import kda_error_vs_length
 from benchmarks import kda_speed
 from experiments.tools import cli
 from linear_attention import ops
@@ -490,6 +491,7 @@ def main():
                  device_kind=device.device_kind, jax=jax.__version__,
                  jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else None,
                  bf16_matmul_flops=rate)
+  machine["commit"], machine["dirty"] = kda_error_vs_length.git_commit()
   try:
     import libtpu  # pylint: disable=g-import-not-at-top
     machine["libtpu"] = getattr(libtpu, "__version__", None)

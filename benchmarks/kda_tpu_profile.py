@@ -27,10 +27,11 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   inputs: the forward kernel normalises, scales and gates each block
   itself; the backward prepares in XLA (8 heads a step; `batched_hb16`
   16; `batched_strided` reads the op's layout as rows, all heads a step);
-* `batched_fused`, `batched_hb16_fused`: the same with the fused backward
-  (`fused_backward=True`: the backward kernel prepares each raw block and
-  pulls the gradients back through the preparation itself; 8 and 16 heads
-  a step);
+* `batched_fused`, `batched_hb16_fused`, `batched_strided_fused`: the
+  same with the fused backward (`fused_backward=True`, the kernels'
+  default: the backward kernel prepares each raw block and pulls the
+  gradients back through the preparation itself; 8 and 16 heads a step,
+  and strided);
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 
 `--precision` sets our implementations' matmul precision: a name of the
@@ -69,7 +70,8 @@ from linear_attention.ops.kda import pallas_tpu
 from linear_attention.ops.kda import precision as precision_lib
 
 IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
-         "batched_fused", "batched_hb16_fused", "tokamax_mosaic")
+         "batched_fused", "batched_hb16_fused", "batched_strided_fused",
+         "tokamax_mosaic")
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -143,8 +145,8 @@ def documents(b, t, n):
 
 
 def implementation(name, segment_ids=None, precision="auto"):
-  if segment_ids is not None and name in ("kernel", "batched_strided",
-                                          "tokamax_mosaic"):
+  if segment_ids is not None and (name in ("kernel", "tokamax_mosaic")
+                                  or name.startswith("batched_strided")):
     raise ValueError(f"--documents: {name} takes no packed segments here")
   if name != "chunked" and not name.startswith("batched") and (
       precision != "auto"):
@@ -155,7 +157,7 @@ def implementation(name, segment_ids=None, precision="auto"):
     return kernel_op()
   if name.startswith("batched"):
     return batched_op(heads_per_block=16 if "hb16" in name else None,
-                      strided=name == "batched_strided",
+                      strided=name.startswith("batched_strided"),
                       fused_backward=name.endswith("_fused"),
                       segment_ids=segment_ids, precision=precision)
   if name == "tokamax_mosaic":

@@ -13,20 +13,22 @@ than `--reserve_s` of the budget left is skipped and marked so. The traces
 go to `--trace_dir` (a temporary folder by default), not to DIR.
 
 Steps (docs/kernel.md, "Next"; bfloat16 and B1 T8192 H32 K128 unless
-named):
+named; the steps of the session before, whose results are
+`benchmarks/results/kda_tpu_session_v5e.json`, decided the fused backward,
+float32's three passes, packed rows and T >= 1024 in `auto`'s class):
 
-1. `fused_b1`: the fused backward against the XLA pull-back (16 heads a
-   step), forward+backward: whether the fused one becomes the default.
-2. `fused_b8`: the same at B8 T4096 H16.
-3. `float32`: float32 inputs through the fused kernels at each precision
-   assignment measured within the op's float32 bounds (and at one pass,
-   the 1.3x reference), forward and forward+backward.
-4. `segments`: rows of 1024-token documents, `chunked` against our
-   kernels on the same ids, forward and forward+backward.
-5. `short_t`: T = 2048 and 1024 (B1 H32): `chunked`, our kernels and
-   tokamax's, forward and forward+backward (`auto`'s class).
-6. `strided`: the strided forward (float32 output rows), which failed to
-   compile with 16-bit rows before.
+1. `milestone_b8`: our kernels (the fused backward, now the default)
+   against tokamax's at B8 T4096 H16 in one process, forward and
+   forward+backward: milestone 1 at the second shape.
+2. `strided`: the strided kernels (rows of the op's own layout, no
+   relayouts around them) against the 16-heads-a-step ones, forward and
+   forward+backward, both with the fused backward: the default if faster.
+3. `float32`: float32 inputs, `chunked` at "auto" (HIGHEST) against our
+   kernels at HIGH (the backend's float32 "auto") and at one pass (the
+   1.3x reference): whether float32 joins `auto`'s class.
+4. `float32_t1024`: the same at T 1024.
+5. `short_t512`: T 512 (B1 H32): `chunked`, our kernels and tokamax's
+   (`auto`'s class below T 1024).
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
 profile: on a CPU the kernels run in interpret mode, a check of the script,
@@ -43,35 +45,28 @@ import traceback
 
 import jax
 
+from benchmarks import kda_error_vs_length
 from benchmarks import kda_tpu
 from benchmarks import kda_tpu_profile as profile
 from experiments.tools import cli
-
-F32_PRECISIONS = ("default", "highest", "high", "highest,high,highest,high")
-HB16 = ("batched_hb16", "batched_hb16_fused")
-
 
 def steps():
   """[(step, shape, dtype, [(impl, precision)], passes, documents)]."""
   big, wide = (1, 8192, 32, 128), (8, 4096, 16, 128)
   both = ("fwd", "fwd_bwd")
-  plan = [
-      ("fused_b1", big, "bfloat16", [(i, "auto") for i in HB16],
-       ("fwd_bwd",), 0),
-      ("fused_b8", wide, "bfloat16", [(i, "auto") for i in HB16],
-       ("fwd_bwd",), 0),
-      ("float32", big, "float32",
-       [("batched_fused", p) for p in F32_PRECISIONS], both, 0),
-      ("segments", big, "bfloat16",
-       [(i, "auto") for i in ("chunked",) + HB16], both, 1024),
+  auto = lambda *impls: [(i, "auto") for i in impls]
+  f32 = [("chunked", "auto"), ("batched_fused", "high"),
+         ("batched_fused", "default")]
+  return [
+      ("milestone_b8", wide, "bfloat16",
+       auto("batched_hb16_fused", "tokamax_mosaic"), both, 0),
+      ("strided", big, "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
+      ("float32", big, "float32", f32, both, 0),
+      ("float32_t1024", (1, 1024, 32, 128), "float32", f32, both, 0),
+      ("short_t512", (1, 512, 32, 128), "bfloat16",
+       auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
   ]
-  for t in (2048, 1024):
-    plan.append((f"short_t{t}", (1, t, 32, 128), "bfloat16",
-                 [(i, "auto") for i in ("chunked",) + HB16
-                  + ("tokamax_mosaic",)], both, 0))
-  plan.append(("strided", big, "bfloat16", [("batched_strided", "auto")],
-               ("fwd",), 0))
-  return plan
 
 
 STEP_NAMES = tuple(s[0] for s in steps())
@@ -113,10 +108,11 @@ def main():
   os.makedirs(a.out, exist_ok=True)
   path = os.path.join(a.out, "kda_tpu_session.json")
   start = time.monotonic()
+  commit, dirty = kda_error_vs_length.git_commit()
   report = dict(meta=dict(
       device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-      host=platform.node(), calls=calls, smoke=a.smoke,
-      budget_s=a.budget_s), steps={})
+      host=platform.node(), commit=commit, dirty=dirty, calls=calls,
+      smoke=a.smoke, budget_s=a.budget_s), steps={})
   for name in chosen:
     _, shape, dtype, impls, passes, docs = plan[name]
     if a.smoke:

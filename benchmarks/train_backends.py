@@ -32,6 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks import kda_error_vs_length
 from configs import common as config_lib
 from experiments.tools import cli
 from experiments.training import interpret
@@ -127,8 +128,10 @@ def main():
       row["median_step_ms"] = statistics.median(row["step_ms"])
       row["steps_per_s"] = round(1e3 / row["median_step_ms"], 2)
       row["median_ratio_to_first"] = statistics.median(row["ratio_to_first"])
+  commit, dirty = kda_error_vs_length.git_commit()
   out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-             host=platform.node(), config=a.config, overrides=a.overrides,
+             host=platform.node(), commit=commit, dirty=dirty,
+             config=a.config, overrides=a.overrides,
              steps=a.steps, rounds=a.rounds, backends=rows)
   print(json.dumps(out, indent=1))
   if a.out:

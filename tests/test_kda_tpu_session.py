@@ -34,11 +34,12 @@ def _run(tmp_path, *flags):
 
 @pytest.mark.slow
 def test_smoke_profiles_a_step(tmp_path):
-  steps = _run(tmp_path, "--steps=fused_b8", "--budget_s=900")
-  assert list(steps) == ["fused_b8"]
-  assert set(steps["fused_b8"]["results"]) == {
-      "batched_hb16_fwd_bwd", "batched_hb16_fused_fwd_bwd"}
-  for key, r in steps["fused_b8"]["results"].items():
+  steps = _run(tmp_path, "--steps=strided", "--budget_s=900")
+  assert list(steps) == ["strided"]
+  assert set(steps["strided"]["results"]) == {
+      f"{impl}_{p}" for impl in ("batched_hb16_fused", "batched_strided_fused")
+      for p in ("fwd", "fwd_bwd")}
+  for key, r in steps["strided"]["results"].items():
     assert "error" not in r and "skipped" not in r, (key, r)
     assert r["wall_ms_per_call"] and "ops" in r, key
 
@@ -57,10 +58,12 @@ def test_every_step_names_implementations_that_exist():
 
 
 def test_a_spent_budget_skips_and_records_every_profile(tmp_path):
-  steps = _run(tmp_path, "--steps=fused_b1,strided", "--budget_s=1",
+  steps = _run(tmp_path, "--steps=milestone_b8,float32", "--budget_s=1",
                "--reserve_s=60")
   keys = {k for s in steps.values() for k in s["results"]}
-  assert keys == {"batched_hb16_fwd_bwd", "batched_hb16_fused_fwd_bwd",
-                  "batched_strided_fwd"}
+  assert keys == {f"{impl}_{p}{at}" for impl, at in (
+      ("batched_hb16_fused", ""), ("tokamax_mosaic", ""), ("chunked", ""),
+      ("batched_fused", "@high"), ("batched_fused", "@default"))
+                  for p in ("fwd", "fwd_bwd")}
   assert all("skipped" in r for s in steps.values()
              for r in s["results"].values())

@@ -398,7 +398,8 @@ def _num_runs(segments):
 # Pallas interpret mode is tokamax's kernel's check off TPU. On a TPU the
 # interpreter's ops run on the chip at its default precision (one bfloat16
 # pass): measured on a v5e, MOSAIC_CI_EXAMPLE's output 2.3e-3 from the
-# oracle (benchmarks/results/tpu_suite_v5e/tpu-tests-ops_random.xml), as the
+# oracle (benchmarks/results/tpu_suite_v5e/
+# 9653d15-tpu-tests-ops_random-cut_at_190s.xml), as the
 # interpret-mode cases of tests/ops/test_kda.py (2.0e-3..2.4e-3).
 @pytest.mark.skipif(jax.default_backend() == "tpu",
                     reason="Pallas interpret mode is the kernel's check off"
