@@ -43,7 +43,8 @@ interpret mode; docs/kernel.md).
 `--documents=N` packs every row with documents of N tokens (segment ids
 1, 2, ...; the last one shorter), as training on packed text calls the op;
 `chunked` and the `batched` kernels (not strided) take them, the others
-record an error.
+record an error. With them, `chunked_states` and `batched*_states` also
+carry per-segment states (zero initial states in, final states out).
 """
 
 import argparse
@@ -111,31 +112,47 @@ def parse_precision(text):
   return precision_lib.Precisions(*(levels[n] for n in names))
 
 
+def _segment_states(segment_ids, q, v, states):
+  """(initial states [B, N, H, K, V], N) for `states`: zeros, one per
+  segment of `documents`' ids (N the last id); else (None, None)."""
+  if not states:
+    return None, None
+  b, t, h, kd = q.shape
+  n = int(segment_ids[0, -1])
+  return jnp.zeros((b, n, h, kd, v.shape[-1]), jnp.float32), n
+
+
 def batched_op(heads_per_block=None, strided=False, fused_backward=False,
-               segment_ids=None, precision="auto"):
-  """Our batched-heads kernel on the raw inputs (preparation inside it)."""
+               segment_ids=None, precision="auto", states=False):
+  """Our batched-heads kernel on the raw inputs (preparation inside it);
+  with `states`, per-segment initial and final states."""
   interpret = jax.devices()[0].platform != "tpu"
 
   def f(q, k, v, g, beta, a_log, dt_bias):
-    o, _ = pallas_batched.kda(
-        q, k, v, g, beta, scale=q.shape[-1] ** -0.5, a_log=a_log,
+    s0, n = _segment_states(segment_ids, q, v, states)
+    o, final = pallas_batched.kda(
+        q, k, v, g, beta, s0, scale=q.shape[-1] ** -0.5, a_log=a_log,
         dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
         use_qk_l2norm=True,
         precision=precision_lib.resolve(precision, q.dtype),
         heads_per_block=heads_per_block, strided=strided,
         fused_backward=fused_backward, segment_ids=segment_ids,
-        interpret=interpret)
-    return o
+        num_segments=n, interpret=interpret)
+    return (o, final) if states else o
   return f
 
 
-def chunked_op(segment_ids=None, precision="auto"):
-  """The op's chunked backend (on packed rows with `segment_ids`)."""
+def chunked_op(segment_ids=None, precision="auto", states=False):
+  """The op's chunked backend (on packed rows with `segment_ids`; with
+  `states`, per-segment initial and final states)."""
   def f(q, k, v, g, beta, a_log, dt_bias):
-    return ops.kimi_delta_attention(
+    s0, n = _segment_states(segment_ids, q, v, states)
+    o, final = ops.kimi_delta_attention(
         q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
         use_gate_in_kernel=True, use_qk_l2norm=True, segment_ids=segment_ids,
-        backend="chunked", precision=precision)[0]
+        initial_state=s0, output_final_state=states, max_num_segments=n,
+        backend="chunked", precision=precision)
+    return (o, final) if states else o
   return f
 
 
@@ -145,6 +162,15 @@ def documents(b, t, n):
 
 
 def implementation(name, segment_ids=None, precision="auto"):
+  """The function `name` times (`IMPLS`; "chunked" and "batched*" with the
+  suffix "_states" and packed rows: per-segment states as well)."""
+  states = name.endswith("_states")
+  if states:
+    name = name[:-len("_states")]
+    if segment_ids is None or not (name == "chunked"
+                                   or name.startswith("batched")):
+      raise ValueError(f"{name}_states: needs --documents and chunked or a"
+                       " batched kernel")
   if segment_ids is not None and (name in ("kernel", "tokamax_mosaic")
                                   or name.startswith("batched_strided")):
     raise ValueError(f"--documents: {name} takes no packed segments here")
@@ -152,14 +178,15 @@ def implementation(name, segment_ids=None, precision="auto"):
       precision != "auto"):
     raise ValueError(f"--precision: {name} runs at its own precision here")
   if name == "chunked":
-    return chunked_op(segment_ids, precision)
+    return chunked_op(segment_ids, precision, states)
   if name == "kernel":
     return kernel_op()
   if name.startswith("batched"):
     return batched_op(heads_per_block=16 if "hb16" in name else None,
                       strided=name.startswith("batched_strided"),
                       fused_backward=name.endswith("_fused"),
-                      segment_ids=segment_ids, precision=precision)
+                      segment_ids=segment_ids, precision=precision,
+                      states=states)
   if name == "tokamax_mosaic":
     return kda_tpu.tokamax_mosaic()
   raise ValueError(f"--impls: unknown implementation {name!r}; allowed: "
@@ -170,8 +197,9 @@ def with_pass(f, pass_name):
   if pass_name == "fwd":
     return f
   if pass_name == "fwd_bwd":
-    grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2),
-                     argnums=(0, 1, 2, 3, 4))
+    loss = lambda *a: sum(jnp.sum(x.astype(jnp.float32) ** 2)
+                          for x in jax.tree.leaves(f(*a)))
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
     return grads
   raise ValueError(f"--passes: unknown pass {pass_name!r}; allowed: "
                    f"{', '.join(PASSES)}")

@@ -29,6 +29,9 @@ float32's three passes, packed rows and T >= 1024 in `auto`'s class):
 4. `float32_t1024`: the same at T 1024.
 5. `short_t512`: T 512 (B1 H32): `chunked`, our kernels and tokamax's
    (`auto`'s class below T 1024).
+6. `segment_states`: rows of 1024-token documents with per-segment states
+   (zero initial states in, final states out), `chunked` against our
+   kernels in the realigned layout: whether such calls join `auto`'s class.
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
 profile: on a CPU the kernels run in interpret mode, a check of the script,
@@ -66,6 +69,8 @@ def steps():
       ("float32_t1024", (1, 1024, 32, 128), "float32", f32, both, 0),
       ("short_t512", (1, 512, 32, 128), "bfloat16",
        auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
+      ("segment_states", big, "bfloat16",
+       auto("chunked_states", "batched_hb16_fused_states"), both, 1024),
   ]
 
 

@@ -308,10 +308,13 @@ def _segment_layouts(t):
 
 
 def _segments_pair(t, seg, *, gated=True, dtype=jnp.float32,
-                   precision=ACCURATE, **kernel_kw):
+                   precision=ACCURATE, states=False, **kernel_kw):
   """(grads, grads64): the output and every gradient (RAW_NAMES without
   ds0) of `pallas_batched.kda` with `segment_ids` and of the float64
-  `reference` op on the same raw inputs, under one random cotangent."""
+  `reference` op on the same raw inputs, under one random cotangent. With
+  `states`, per-segment states as well (`num_segments=4`): random initial
+  states [B, 4, H, K, V], the final states under a second cotangent, and
+  the initial states' gradient."""
   (q, k, v, g, beta, _), a_log, dt_bias = _raw_inputs(t, h=4, b=2, seed=t,
                                                       dtype=dtype)
   if not gated:
@@ -319,34 +322,50 @@ def _segments_pair(t, seg, *, gated=True, dtype=jnp.float32,
   kw = dict(scale=128 ** -0.5, lower_bound=-5.0 if gated else None,
             use_gate_in_kernel=gated, use_qk_l2norm=True)
   ids = jnp.asarray(seg)
+  rng = np.random.default_rng(1)
+  s0 = jnp.asarray(rng.normal(size=(2, 4, 4, 128, 128)) * 0.5, jnp.float32)
+  per_segment = dict(num_segments=4) if states else {}
 
   def ours(*args):
-    o, final = pallas_batched.kda(*args[:5], a_log=args[5], dt_bias=args[6],
-                                  segment_ids=ids, precision=precision,
-                                  interpret=True, **kw, **kernel_kw)
-    assert final is None
-    return o
+    o, final = pallas_batched.kda(
+        *args[:5], args[7] if states else None, a_log=args[5],
+        dt_bias=args[6], segment_ids=ids, precision=precision,
+        interpret=True, **kw, **kernel_kw, **per_segment)
+    assert (final is None) != states
+    return (o, final) if states else o
 
   def reference(*args):
-    return ops.kimi_delta_attention(
+    o, final = ops.kimi_delta_attention(
         *args[:5], a_log=args[5] if gated else None,
         dt_bias=args[6] if gated else None, segment_ids=ids,
-        max_num_segments=4, backend="reference", precision="highest",
-        **kw)[0]
+        initial_state=args[7] if states else None,
+        output_final_state=states, max_num_segments=4, backend="reference",
+        precision="highest", **kw)
+    return (o, final) if states else o
 
-  args = (q, k, v, g, beta, a_log, dt_bias)
-  do = np.random.default_rng(1).normal(size=v.shape)
-  o, back = jax.vjp(ours, *args)
-  grads = (o, *back(jnp.asarray(do, dtype)))
+  args = (q, k, v, g, beta, a_log, dt_bias) + ((s0,) if states else ())
+  do = rng.normal(size=v.shape)
+  cot = ((jnp.asarray(do, dtype), jnp.asarray(rng.normal(size=s0.shape),
+                                              jnp.float32))
+         if states else jnp.asarray(do, dtype))
+  out, back = jax.vjp(ours, *args)
+  out = out if states else (out,)
+  grads = (*out, *back(cot))
   with jax.enable_x64(True):
-    o64, back64 = jax.vjp(reference, *[
+    out64, back64 = jax.vjp(reference, *[
         jnp.asarray(np.asarray(a.astype(jnp.float32), np.float64))
         for a in args])
-    grads64 = (o64, *back64(jnp.asarray(do)))
-  names = ("output",) + tuple(n for n in RAW_NAMES if n != "ds0")
+    out64 = out64 if states else (out64,)
+    grads64 = (*out64, *back64(jax.tree.map(
+        lambda x: jnp.asarray(np.asarray(x, np.float64)), cot)))
+  names = ("output",) + ("final_state",) * states + tuple(
+      n for n in RAW_NAMES if n != "ds0")
+  pairs = list(zip(names, grads, grads64))
+  if states:
+    pairs.append(("ds0", grads[-1], grads64[-1]))
   if not gated:
-    names = names[:-2]
-  return list(zip(names, grads, grads64))
+    pairs = [p for p in pairs if p[0] not in ("da_log", "ddt_bias")]
+  return pairs
 
 
 @pytest.mark.parametrize("gated, chunk, hb, fused_backward", [
@@ -366,6 +385,76 @@ def test_packed_segments_match_the_float64_reference(gated, chunk, hb,
     assert x.dtype == jnp.float32, name
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
   assert len(pairs) == (8 if gated else 6)
+
+
+@pytest.mark.parametrize("gated, chunk, hb, fused_backward", [
+    (True, 64, 4, True),  # the fused backward, 4 heads a step
+    (False, 32, 2, False),  # the log decay given; the XLA pull-back
+])
+def test_per_segment_states_match_the_float64_reference(gated, chunk, hb,
+                                                        fused_backward):
+  # Every run starts on a chunk edge from its segment's initial state (a
+  # segment met again starts from it again), each segment's final state is
+  # its last run's, an absent segment's its initial state. The layouts of
+  # the test above: 4 and 3 runs a row. Measured on CPU (interpret mode):
+  # 1.0e-7..3.8e-7 on the output and the gradients, 1.5e-8..2.2e-8 on the
+  # final states, 6.7e-9..1.7e-8 on the initial states' gradient.
+  pairs = _segments_pair(160, _segment_layouts(160), gated=gated,
+                         chunk=chunk, heads_per_block=hb,
+                         fused_backward=fused_backward, states=True)
+  for name, x, w in pairs:
+    assert x.dtype == jnp.float32, name
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+  assert [n for n, _, _ in pairs][:2] == ["output", "final_state"]
+  assert len(pairs) == (10 if gated else 8)
+
+
+def test_realigned_runs_start_on_chunk_edges():
+  # `_realign` against the layout built by hand: each run from a chunk edge,
+  # tokens in order, padding after a token kept in its run, the padding
+  # before a row's first token dropped; the chunks' runs and flags.
+  seg = np.array([[0, 0, 1, 1, 0, 2, 2, 2, 2, 2, 1, 0]], np.int32)
+  lay = pallas_batched._realign(jnp.asarray(seg), 4, 3, 4)
+  # runs: [2, 5) of 1 (with its padding), [5, 10) of 2, [10, 12) of 1.
+  place = [24, 24, 0, 1, 2, 4, 5, 6, 7, 8, 12, 13]
+  assert lay["place"].tolist() == [place]
+  tp = lay["src"].shape[1]
+  assert tp == 12 + 4 * 3 == 24
+  src = np.zeros(tp, np.int32)
+  valid = np.zeros(tp, np.int32)
+  for tok, at in enumerate(place):
+    if at < tp:
+      src[at], valid[at] = tok, seg[0, tok] > 0
+  np.testing.assert_array_equal(lay["src"][0], src)
+  np.testing.assert_array_equal(lay["valid"][0], valid)
+  # chunks of 4: run 0 in chunk 0, run 1 in chunks 1-2, run 2 in chunk 3,
+  # then padding (run 2 still: the state passes through unchanged).
+  assert lay["chunk_run"].tolist() == [[0, 1, 1, 2, 2, 2]]
+  assert lay["flags"].tolist() == [[3, 1, 2, 1, 0, 2]]
+  assert lay["run_segment"].tolist() == [[1, 2, 1, 0]]
+  assert lay["last_run"].tolist() == [[2, 1, -1]]
+  assert lay["over"].tolist() == [False]
+  assert pallas_batched._realign(jnp.asarray(seg), 2, 3, 4)["over"].tolist(
+      ) == [True]
+
+
+def test_more_runs_than_segments_give_nan_not_a_wrong_answer():
+  # The layout holds at most num_segments runs a row; a row with more gets
+  # NaN (backend `pallas` sends such calls to `chunked`), the others are
+  # computed. Row 0: segments 1, 2, 1 (three runs) with num_segments=2.
+  (q, k, v, g, beta, _), a_log, dt_bias = _raw_inputs(64, h=2, b=2)
+  ids = np.ones((2, 64), np.int32)
+  ids[0, 20:40] = 2
+  ids[1, 32:] = 2
+  assert pallas_batched.too_many_runs(jnp.asarray(ids), 2).tolist() == [
+      True, False]
+  o, final = pallas_batched.kda(
+      q, k, v, g, beta, scale=128 ** -0.5, a_log=a_log, dt_bias=dt_bias,
+      lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
+      precision=ACCURATE, segment_ids=jnp.asarray(ids), num_segments=2,
+      interpret=True)
+  assert np.all(np.isnan(o[0])) and np.all(np.isnan(final[0]))
+  assert np.all(np.isfinite(o[1])) and np.all(np.isfinite(final[1]))
 
 
 # The gate's gradients with bfloat16 inputs at one pass and no final-state
@@ -391,25 +480,34 @@ def test_packed_segments_in_bfloat16_at_one_pass():
     testing.assert_close(x, np.asarray(w), rtol=rtol, name=name)
 
 
-@pytest.mark.parametrize("fused_backward", [False, True])
-def test_packed_segments_export_to_mosaic_for_tpu_v5e(fused_backward):
+@pytest.mark.parametrize("fused_backward, states", [
+    (False, False), (True, False), (True, True)])
+def test_packed_segments_export_to_mosaic_for_tpu_v5e(fused_backward, states):
+  # With per-segment states the kernels read two scalar-prefetched rows
+  # and index the state blocks by them.
   b, t, h, kd = 1, 200, 16, 128
   args = [jax.ShapeDtypeStruct((b, t, h, kd), d) for d in
           (jnp.bfloat16,) * 3 + (jnp.float32,)]
   args += [jax.ShapeDtypeStruct((b, t, h), jnp.bfloat16)]
+  if states:
+    args += [jax.ShapeDtypeStruct((b, 3, h, kd, kd), jnp.float32)]
   ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
   a_log, dt_bias = jnp.zeros(h), jnp.zeros(h * kd)
 
-  def loss(q, k, v, g, beta, ids):
-    o, _ = pallas_batched.kda(
-        q, k, v, g, beta, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias,
-        lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
-        precision=FAST, fused_backward=fused_backward, segment_ids=ids)
-    return jnp.sum(o.astype(jnp.float32) ** 2)
+  def loss(q, k, v, g, beta, *rest):
+    *s0, ids = rest
+    o, final = pallas_batched.kda(
+        q, k, v, g, beta, *s0, scale=kd ** -0.5, a_log=a_log,
+        dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
+        use_qk_l2norm=True, precision=FAST, fused_backward=fused_backward,
+        segment_ids=ids, num_segments=3 if states else None)
+    extra = jnp.sum(final) if states else 0.0
+    return jnp.sum(o.astype(jnp.float32) ** 2) + extra
 
   with mosaic.lowering_mode("v5e"):
-    grads = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))),
-                              platforms=["tpu"])(*args, ids)
+    grads = jax.export.export(
+        jax.jit(jax.grad(loss, argnums=range(len(args)))),
+        platforms=["tpu"])(*args, ids)
   assert grads.mlir_module().count("tpu_custom_call") == 2
   assert [a.shape for a in grads.out_avals] == [x.shape for x in args]
 
@@ -444,8 +542,17 @@ def test_packed_segments_limits():
   kw = dict(scale=1.0, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
             use_gate_in_kernel=True, precision=ACCURATE, interpret=True)
   ids = jnp.ones((1, 64), jnp.int32)
-  with pytest.raises(NotImplementedError, match="without an initial state"):
+  with pytest.raises(ValueError, match="num_segments N"):  # [B, H, K, V]
     pallas_batched.kda(q, k, v, g, beta, s0, segment_ids=ids, **kw)
+  with pytest.raises(ValueError, match=r"\[B, N, H, K, V\] = \(1, 2, 2"):
+    pallas_batched.kda(q, k, v, g, beta, s0, segment_ids=ids, num_segments=2,
+                       **kw)
+  for bad in (0, 1.5):
+    with pytest.raises(ValueError, match="num_segments must be an int"):
+      pallas_batched.kda(q, k, v, g, beta, segment_ids=ids, num_segments=bad,
+                         **kw)
+  with pytest.raises(ValueError, match="num_segments is for packed"):
+    pallas_batched.kda(q, k, v, g, beta, num_segments=2, **kw)
   with pytest.raises(NotImplementedError, match="strided"):
     pallas_batched.kda(q, k, v, g, beta, segment_ids=ids, strided=True, **kw)
   with pytest.raises(ValueError, match="segment_ids"):

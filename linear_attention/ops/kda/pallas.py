@@ -16,9 +16,11 @@ over it):
   decay >= -5, which neither the softplus gate nor a pre-activated g
   guarantees (and a traced g cannot be checked);
 * chunk 16, 32, 64 (the default) or 128 tokens;
-* packed segments as training uses them: `segment_ids` without an
-  initial state and without `output_final_state` (the per-segment states
-  are not in the kernels yet);
+* packed segments with padding anywhere, and their per-segment states
+  (`initial_state` [B, N, H, K, V], `output_final_state`): each run then
+  starts on a chunk edge (`pallas_batched._realign`), so a row holds at most
+  N runs; a call with a row of more (a segment met again after another)
+  runs on `chunked` instead, chosen on the device (`jax.lax.cond`);
 * not yet: `context_axis`, chunk-boundary states.
 
 "auto" picks this backend only inside the class of calls measured faster
@@ -26,15 +28,16 @@ than every other backend on a chip (`auto_declines`; docs/kernel.md,
 `benchmarks/results/kda_tpu_session_v5e.json` and
 `kda_tpu_profile_milestone_v5e.json`): a TPU v5e, bfloat16 q, k, v at
 precision "auto", K = V = 128, H a multiple of 16, T >= 1024, 64-token
-chunks, the q/k L2 norm, packed segments or none. There, in device time
-forward and forward+backward: B1 T8192 H32 2.6 and 6.9 ms (the chunked
+chunks, the q/k L2 norm, packed segments without per-segment states or
+none. There, in device time forward and forward+backward: B1 T8192 H32
+2.6 and 6.9 ms (the chunked
 backend 5.8 and 26.9; tokamax's kernel 4.0 and 12.1), B8 T4096 H16 5.4 and
 14.0 ms (tokamax 8.6 and 27.2), B1 T1024 H32 0.28 and 0.83 ms (chunked 0.73
 and 2.79, tokamax 0.43 and 1.39), and B1 T8192 H32 packed with 1024-token
 documents 2.7 and 7.2 ms (chunked 10.7 and 39.1). Elsewhere (float32
-inputs, T below 1024, H not a multiple of 16, other chips) it has not been
-timed against the others, so "auto" passes over it; `backend="pallas"` runs it
-wherever `supports` allows.
+inputs, T below 1024, H not a multiple of 16, per-segment states, other
+chips) it has not been timed against the others, so "auto" passes over it;
+`backend="pallas"` runs it wherever `supports` allows.
 
 float32 inputs at precision "auto" run every group at HIGH (three bfloat16
 passes, `FLOAT32_AUTO`), not HIGHEST (six): within the op's float32 bounds
@@ -49,7 +52,11 @@ read. A decode piece shorter than a chunk runs the token recurrence (the
 op's decode rule).
 """
 
+import jax
+import jax.numpy as jnp
+
 from linear_attention.ops import backends
+from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda import common
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
@@ -84,12 +91,6 @@ def supports(call: common.Call) -> str | None:
   """Why the kernels cannot take `call`, or None (see the module docstring)."""
   q, v = call.q, call.v
   kd, vd = q.shape[-1], v.shape[-1]
-  if call.segment_ids is not None and (call.initial_state is not None
-                                      or call.output_final_state):
-    return ("our Pallas kernel takes packed segments (segment_ids) without"
-            " an initial state and without output_final_state only (the"
-            " per-segment states are not in the kernel yet); use"
-            " backend='chunked'.")
   if call.context_axis is not None:
     return ("our Pallas kernel does not run under context_axis yet; use"
             " backend='chunked' (exact state passing).")
@@ -133,13 +134,15 @@ def auto_declines(target: backends.Target,
   if (heads_per_block(call) != AUTO_HEADS_PER_BLOCK
       or call.precision != "auto" or t < AUTO_MIN_T
       or call.chunk_size not in (None, DEFAULT_CHUNK)
-      or not call.use_qk_l2norm):
+      or not call.use_qk_l2norm or _segment_states(call)):
     return ("measured faster only for bfloat16 at precision 'auto', K = V"
             f" = {LANES}, H a multiple of {AUTO_HEADS_PER_BLOCK}, T >="
             f" {AUTO_MIN_T}, {DEFAULT_CHUNK}-token chunks and the q/k L2"
-            f" norm; got {call.q.dtype.name}, precision {call.precision!r},"
-            f" K={kd}, V={call.v.shape[-1]}, H={h}, T={t}, chunk_size="
-            f"{call.chunk_size}, use_qk_l2norm={call.use_qk_l2norm}")
+            f" norm, packed segments without per-segment states; got"
+            f" {call.q.dtype.name}, precision {call.precision!r}, K={kd},"
+            f" V={call.v.shape[-1]}, H={h}, T={t}, chunk_size="
+            f"{call.chunk_size}, use_qk_l2norm={call.use_qk_l2norm},"
+            f" per-segment states: {_segment_states(call)}")
   return None
 
 
@@ -163,15 +166,37 @@ def precisions(call: common.Call) -> precision_lib.Precisions:
   return precision_lib.resolve(call.precision, call.q.dtype)
 
 
+def _segment_states(call: common.Call) -> bool:
+  """Whether `call` has packed segments with per-segment states."""
+  return call.segment_ids is not None and (
+      call.initial_state is not None or call.output_final_state)
+
+
 def run(call: common.Call):
   """The call on our kernels; `supports(call)` is None."""
-  o, final = pallas_batched.kda(
-      call.q, call.k, call.v, call.g, call.beta, call.initial_state,
-      scale=call.scale, a_log=call.a_log, dt_bias=call.dt_bias,
-      lower_bound=call.lower_bound, use_gate_in_kernel=True,
-      use_qk_l2norm=call.use_qk_l2norm,
-      precision=precisions(call),
-      chunk=call.chunk_size or DEFAULT_CHUNK,
-      heads_per_block=heads_per_block(call), segment_ids=call.segment_ids,
-      interpret=call.target.off_tpu_mode == "interpret")
+  states = _segment_states(call)
+  n = call.max_num_segments if states else None
+
+  def kernels():
+    o, final = pallas_batched.kda(
+        call.q, call.k, call.v, call.g, call.beta, call.initial_state,
+        scale=call.scale, a_log=call.a_log, dt_bias=call.dt_bias,
+        lower_bound=call.lower_bound, use_gate_in_kernel=True,
+        use_qk_l2norm=call.use_qk_l2norm,
+        precision=precisions(call),
+        chunk=call.chunk_size or DEFAULT_CHUNK,
+        heads_per_block=heads_per_block(call), segment_ids=call.segment_ids,
+        num_segments=n, interpret=call.target.off_tpu_mode == "interpret")
+    return o, final
+
+  if not states:
+    o, final = kernels()
+    return o, final if call.output_final_state else None
+
+  def on_chunked():  # a row with more than N runs (`_realign`'s bound)
+    o, final = chunked.run(call._replace(output_final_state=True))
+    return o.astype(call.q.dtype), final.astype(jnp.float32)
+
+  over = jnp.any(pallas_batched.too_many_runs(call.segment_ids, n))
+  o, final = jax.lax.cond(over, on_chunked, kernels)
   return o, final if call.output_final_state else None

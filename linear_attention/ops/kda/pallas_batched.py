@@ -127,6 +127,12 @@ class Config:
   # chunk also reads its run rows (`_run_rows`) and restricts its pairs and
   # its use of the carried state to runs (`_run_masks`).
   segmented: bool = False
+  # Per-run states (`_realign`: every run of a segment moved to start on a
+  # chunk edge): at most this many runs a row, each starting from its own
+  # state block and leaving its final state in one (0: off). The kernels
+  # then read two scalar-prefetched rows: each chunk's run, and its flags
+  # (1: a run starts here, 2: a run ends here).
+  run_states: int = 0
 
   @property
   def blocks(self) -> int:
@@ -329,14 +335,18 @@ def _tri_masks(c):
 RUN_ROWS = 8  # rows of a chunk's run block (one sublane tile; 2 used)
 
 
-def _run_rows(segment_ids, n, c):
+def _run_rows(segment_ids, n, c, at_edges=False):
   """Packed segments as [B, n, 8, C] float32, one block per chunk: row 0 the
   run starts (`common.segment_runs`) from the chunk's first token up to each
   token, row 1 1 for a token and 0 for padding (time padding included), the
-  rest 0 (the block fills a sublane tile)."""
+  rest 0 (the block fills a sublane tile). With `at_edges` (`_realign`'s
+  layout: runs start on chunk edges, where the kernels set the state) row 0
+  is 0: every token reads the state its chunk starts from."""
   b, seq = segment_ids.shape
   ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, n * c - seq)])
   _, _, start = common.segment_runs(ids)
+  if at_edges:
+    start = jnp.zeros_like(start)
   starts = jnp.cumsum(start.reshape(b, n, c).astype(jnp.int32), axis=2)
   rows = jnp.stack([starts, (ids > 0).reshape(b, n, c)], axis=2)
   return jnp.pad(rows.astype(_F32),
@@ -554,7 +564,17 @@ def _prepare_block_backward(dq3, dk3, dg2, rate, saved, t: Config):
           jnp.sum(dg2, axis=0, keepdims=True))
 
 
+def _run_flags(refs, t: Config, chunk):
+  """(the refs after the scalar-prefetched rows, this chunk's flags or
+  None): with `t.run_states`, 1 where a run starts, 2 where one ends."""
+  if not t.run_states:
+    return refs, None
+  _, flag_ref, *refs = refs
+  return refs, flag_ref[pl.program_id(0) * pl.num_programs(1) + chunk]
+
+
 def _kernel(*refs, t: Config):
+  refs, flags = _run_flags(refs, t, pl.program_id(1))
   names = ["q", "k", "v", "g", "b"] + (["runs"] if t.segmented else [])
   names += ["rate", "dtb"] if t.gated else []
   names += ["s0"] if t.has_initial_state else []
@@ -567,9 +587,14 @@ def _kernel(*refs, t: Config):
 
   @pl.when(chunk_id == 0)
   def _():
-    if s0_ref is None:
+    if s0_ref is None or t.run_states:
       state_ref[...] = jnp.zeros(state_ref.shape, _F32)
     else:
+      state_ref[...] = s0_ref[...].astype(_F32)
+
+  if t.run_states:
+    @pl.when(flags % 2 == 1)  # a run starts: from its own initial state
+    def _():
       state_ref[...] = s0_ref[...].astype(_F32)
 
   x, q2, k2, _, seg, _, _ = _load_chunk(r, t)
@@ -591,9 +616,12 @@ def _kernel(*refs, t: Config):
   state_ref[...] = decay * state + _dot(jnp.swapaxes(k_end, 1, 2), v_new,
                                         _BATCH_NN, p.state)
 
-  @pl.when(chunk_id == pl.num_programs(1) - 1)
-  def _():
+  if t.run_states:  # the run's block holds its state after its last chunk
     r["sf"][...] = state_ref[...]
+  else:
+    @pl.when(chunk_id == pl.num_programs(1) - 1)
+    def _():
+      r["sf"][...] = state_ref[...]
 
 
 def _rows(x, mask):
@@ -681,6 +709,7 @@ def _backward_kernel(*refs, t: Config):
   (`_prepare_block_backward`); the a_log and dt_bias terms are summed over
   the chunks into per-lane rows whose block stays put along the chunk axis.
   """
+  refs, flags = _run_flags(refs, t, pl.num_programs(1) - 1 - pl.program_id(1))
   names = ["q", "k", "v", "g", "b"] + (["runs"] if t.segmented else [])
   names += ["rate", "dtb"] if t.gated else []
   names += ["cs", "do", "dsf", "dq", "dk", "dv", "dg", "db", "ds0"]
@@ -698,6 +727,11 @@ def _backward_kernel(*refs, t: Config):
     if t.gated:  # the a_log and dt_bias sums start here
       r["da"][...] = jnp.zeros(r["da"].shape, _F32)
       r["ddt"][...] = jnp.zeros(r["ddt"].shape, _F32)
+
+  if t.run_states:
+    @pl.when(flags >= 2)  # a run's last chunk: dX' is its final state's
+    def _():
+      dstate_ref[...] = r["dsf"][...].astype(_F32)
 
   x, q2, k2, masks, seg, saved, rate = _load_chunk(r, t)
   f, wu, beta = x["f"], x["wu"], x["beta"]
@@ -752,9 +786,12 @@ def _backward_kernel(*refs, t: Config):
   _write_gradients(r, (dq, dk, dv, dg, _rows(dbeta, seg["keep"])), rate,
                    saved, t)
 
-  @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
-  def _():
+  if t.run_states:  # the run's block holds dX at its first chunk
     r["ds0"][...] = dstate_ref[...]
+  else:
+    @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
+    def _():
+      r["ds0"][...] = dstate_ref[...]
 
 
 def _write_gradients(r, grads, rate, saved, t: Config):
@@ -855,7 +892,7 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
         use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
         heads_per_block=None, strided=False, fused_backward=True,
-        segment_ids=None, interpret=False):
+        segment_ids=None, num_segments=None, interpret=False):
   """The KDA forward on the op's raw inputs, preparation inside the kernel.
 
   q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -872,11 +909,16 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   `segment_ids` [B, T] (1-indexed, 0 = padding; the op's segment
   semantics, `common`) packs sequences for training: each chunk restricts
   its pairs and its reads and writes of the carried state to runs
-  (`_run_masks`); no initial state is taken with them and no final state is
-  returned (their per-segment forms are not in the kernel yet).
+  (`_run_masks`); no initial state is taken and no final state returned.
+  With `num_segments` N as well, the states are per segment: initial_state
+  [B, N, H, K, V] (or None: zeros), and the final states [B, N, H, K, V]
+  are returned. Each run is then moved to start on a chunk edge
+  (`_realign`), so a row takes at most N runs (a segment met again after
+  another starts one more); a row with more gets NaN outputs and states
+  (backend `pallas` runs such calls on `chunked`, `too_many_runs`).
 
-  Returns (o [B, T, H, V] in q's dtype, final state float32, or None with
-  `segment_ids`).
+  Returns (o [B, T, H, V] in q's dtype, final state float32: [B, H, K, V],
+  or [B, N, H, K, V] with `num_segments`, or None with `segment_ids` only).
   """
   if not isinstance(precision, Precisions):
     raise ValueError(f"precision must be a Precisions; got {precision!r}.")
@@ -887,37 +929,153 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   gated = bool(use_gate_in_kernel)
   if gated and (a_log is None or dt_bias is None):
     raise ValueError("use_gate_in_kernel needs a_log [H] and dt_bias [H*K].")
-  _check_raw(q, k, v, g, beta, initial_state, chunk=chunk,
+  # Per-segment states are checked with the segments.
+  _check_raw(q, k, v, g, beta,
+             initial_state if num_segments is None else None, chunk=chunk,
              lower_bound=lower_bound, gated=gated, interpret=interpret)
   b, seq, h, kd = q.shape
   if segment_ids is not None:
-    _check_segments(segment_ids, (b, seq), initial_state, strided)
+    _check_segments(segment_ids, (b, seq), initial_state, strided,
+                    num_segments, (b, h, kd, v.shape[-1]))
+  elif num_segments is not None:
+    raise ValueError("num_segments is for packed segments; got no"
+                     " segment_ids.")
+  run_states = int(num_segments or 0) if segment_ids is not None else 0
   prep = Prep(l2norm=bool(use_qk_l2norm), scale=float(scale),
               lower_bound=float(lower_bound) if gated else None)
   t = Config(chunk=chunk,
              heads_per_block=_heads_per_block(h, heads_per_block, strided),
              key_dim=kd, value_dim=v.shape[-1],
-             has_initial_state=initial_state is not None,
+             has_initial_state=initial_state is not None or run_states > 0,
              precision=precision, interpret=bool(interpret), prep=prep,
              strided=bool(strided), fused_backward=bool(fused_backward),
-             segmented=segment_ids is not None)
+             segmented=segment_ids is not None, run_states=run_states)
   if not gated:
     a_log = dt_bias = None
+  if run_states:
+    return _kda_runs(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
+                     segment_ids)
   o, final = _kda_raw(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
                       segment_ids)
   return o, None if t.segmented else final
 
 
-def _check_segments(segment_ids, shape, initial_state, strided):
+def too_many_runs(segment_ids, num_segments):
+  """[B] bool: the rows with more runs than `num_segments` (`kda`'s bound
+  with per-segment states)."""
+  run_seg, _, start = common.segment_runs(segment_ids.astype(jnp.int32))
+  return jnp.sum(start & (run_seg > 0), axis=1) > num_segments
+
+
+def _realign(segment_ids, runs, num_segments, c):
+  """The layout in which every run starts on a chunk edge.
+
+  Each run (`common.segment_runs`; the padding after a token joins its run,
+  the padding before a row's first token is dropped) keeps its tokens in
+  order from a chunk edge, and its last chunk is filled with padding. With
+  at most `runs` runs a row the length is at most T + runs (C - 1), rounded
+  up to the chunk: T'. Returns a dict of
+    src [B, T'] (the token each place holds), valid [B, T'] (1: a token, 0:
+    padding), place [B, T] (each token's place; T' for none), chunk_run and
+    flags [B, T'/C] (each chunk's run; 1 a run starts there, 2 one ends
+    there), run_segment [B, R] (its segment id, 0 for no run), last_run [B,
+    N] (each segment's last run, -1 for none) and over [B] (a row with more
+    than `runs` runs).
+  """
+  b, seq = segment_ids.shape
+  n = -(-(seq + runs * (c - 1)) // c)
+  tp = n * c
+  ids = segment_ids.astype(jnp.int32)
+  run_seg, _, start = common.segment_runs(ids)
+  real = run_seg > 0
+  run = jnp.cumsum(start & real, axis=1, dtype=jnp.int32) - 1
+  count = run[:, -1] + 1
+  kept = real & (run < runs)
+  slot = jnp.where(kept, run, runs)  # `runs`: a slot that is dropped
+  rows = jnp.arange(b)[:, None]
+  pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+  length = jnp.zeros((b, runs + 1), jnp.int32).at[rows, slot].add(1)
+  begin = jnp.full((b, runs + 1), seq, jnp.int32).at[rows, slot].min(pos)
+  span = -(-length[:, :runs] // c) * c
+  edge = jnp.cumsum(span, axis=1) - span
+  edge_t = jnp.take_along_axis(jnp.pad(edge, [(0, 0), (0, 1)]), slot, axis=1)
+  begin_t = jnp.take_along_axis(begin, slot, axis=1)
+  place = jnp.where(kept, edge_t + pos - begin_t, tp)
+  src = jnp.zeros((b, tp), jnp.int32).at[rows, place].set(pos, mode="drop")
+  valid = jnp.zeros((b, tp), jnp.int32).at[rows, place].set(
+      (ids > 0).astype(jnp.int32), mode="drop")
+  live = jnp.arange(runs)[None] < jnp.minimum(count, runs)[:, None]
+  starts = jnp.zeros((b, n + 1), jnp.int32).at[
+      rows, jnp.where(live, edge // c, n)].set(1, mode="drop")[:, :n]
+  chunk_run = jnp.maximum(jnp.cumsum(starts, axis=1) - 1, 0)
+  ends = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), jnp.int32)], axis=1)
+  run_segment = jnp.zeros((b, runs + 1), jnp.int32).at[rows, slot].max(
+      run_seg)[:, :runs]
+  last_run = jnp.full((b, num_segments), -1, jnp.int32).at[
+      rows, jnp.where(kept, run_seg - 1, num_segments)].max(run, mode="drop")
+  return dict(src=src, valid=valid, place=place, chunk_run=chunk_run,
+              flags=starts + 2 * ends, run_segment=run_segment,
+              last_run=last_run, over=count > runs)
+
+
+def _kda_runs(t: Config, q, k, v, g, beta, initial_state, a_log, dt_bias,
+              segment_ids):
+  """`kda` with per-segment states: in `_realign`'s layout, the kernels
+  start each run from its segment's initial state and leave its final
+  state in the run's block; XLA gathers the inputs there and the outputs
+  and final states back."""
+  b, seq, h, kd = q.shape
+  vd = v.shape[-1]
+  runs = t.run_states
+  lay = _realign(segment_ids, runs, runs, t.chunk)
+  pick = jax.vmap(lambda x, i: x[i])  # x[b][i[b]], for each batch row b
+  valid = lay["valid"] > 0
+
+  def gather(x):  # [B, T, ...] -> [B, T', ...]; 0 at padding's places
+    mask = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+    return jnp.where(mask, pick(x, lay["src"]), jnp.zeros((), x.dtype))
+
+  if initial_state is None:
+    initial_state = jnp.zeros((b, runs, h, kd, vd), _F32)
+  s0 = initial_state.astype(_F32)
+  has_seg = (lay["run_segment"] > 0)[:, :, None, None, None]
+  s0_runs = jnp.where(has_seg, pick(s0, jnp.maximum(lay["run_segment"] - 1,
+                                                   0)), 0.0)
+  o, finals = _kda_raw(t, gather(q), gather(k), gather(v), gather(g),
+                       gather(beta), s0_runs, a_log, dt_bias,
+                       (lay["valid"], lay["chunk_run"], lay["flags"]))
+  tp = lay["src"].shape[1]
+  o = jnp.where((lay["place"] < tp)[:, :, None, None],
+                pick(o, jnp.minimum(lay["place"], tp - 1)), 0.0).astype(q.dtype)
+  seen = (lay["last_run"] >= 0)[:, :, None, None, None]
+  final = jnp.where(seen, pick(finals, jnp.maximum(lay["last_run"], 0)), s0)
+  over = lay["over"]
+  o = jnp.where(over[:, None, None, None], jnp.nan, o).astype(q.dtype)
+  final = jnp.where(over[:, None, None, None, None], jnp.nan, final)
+  return o, final
+
+
+def _check_segments(segment_ids, shape, initial_state, strided, num_segments,
+                    heads):
   """The kernels' limits on packed segments (and their shape)."""
   if tuple(segment_ids.shape) != shape or not jnp.issubdtype(
       segment_ids.dtype, jnp.integer):
     raise ValueError(f"segment_ids must be integers of shape [B, T] = {shape};"
                      f" got {segment_ids.dtype} {tuple(segment_ids.shape)}.")
-  if initial_state is not None:
-    raise NotImplementedError(
-        "pallas_batched takes packed segments without an initial state (the"
-        " per-segment states [B, N, H, K, V] are not in the kernel yet).")
+  if num_segments is None:
+    if initial_state is not None:
+      raise ValueError(
+          "initial_state with segment_ids is per segment: pass num_segments"
+          " N and initial_state [B, N, H, K, V].")
+  elif not isinstance(num_segments, int) or num_segments < 1:
+    raise ValueError(f"num_segments must be an int >= 1; got {num_segments!r}.")
+  elif initial_state is not None:
+    b, h, kd, vd = heads
+    want = (b, num_segments, h, kd, vd)
+    if tuple(initial_state.shape) != want:
+      raise ValueError(f"initial_state with num_segments must have shape"
+                       f" [B, N, H, K, V] = {want}; got"
+                       f" {tuple(initial_state.shape)}.")
   if strided:
     raise NotImplementedError(
         "pallas_batched reads packed segments in its blocked layout only;"
@@ -1004,24 +1162,30 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
   tp = n * c
   nh = h // hb
   at = (lambda j: n - 1 - j) if reverse else (lambda j: j)
-  state = pl.BlockSpec((hb, kd, vd), lambda i, j: (i, 0, 0))
+  state = pl.BlockSpec((hb, kd, vd), lambda i, j, *_: (i, 0, 0))
   chunk_state = pl.BlockSpec((hb, pl.squeezed, kd, vd),
-                             lambda i, j: (i, at(j), 0, 0))
-  lanes = pl.BlockSpec((1, hb * kd), lambda i, j: (0, i % nh))
+                             lambda i, j, *_: (i, at(j), 0, 0))
+  lanes = pl.BlockSpec((1, hb * kd), lambda i, j, *_: (0, i % nh))
+  # `t.run_states`: [B*R*H, K, V] states, the block of the chunk's run (the
+  # first scalar-prefetched row).
+  run_state = pl.BlockSpec(
+      (hb, kd, vd), lambda i, j, run, *_: (
+          (i // nh * t.run_states + run[i * n + at(j)]) * nh + i % nh, 0, 0))
   runs = pl.BlockSpec((pl.squeezed, pl.squeezed, RUN_ROWS, c),
-                      lambda i, j: (i // nh, at(j), 0, 0))  # `_run_rows`
+                      lambda i, j, *_: (i // nh, at(j), 0, 0))  # `_run_rows`
   if t.strided:  # rows (b, t, h) of [B*T*H, d]; all heads a step (nh = 1)
-    tok = lambda d: pl.BlockSpec((c * h, d), lambda i, j: (i * n + at(j), 0))
-    rows = pl.BlockSpec((c, h), lambda i, j: (i * n + at(j), 0))
+    tok = lambda d: pl.BlockSpec((c * h, d),
+                                 lambda i, j, *_: (i * n + at(j), 0))
+    rows = pl.BlockSpec((c, h), lambda i, j, *_: (i * n + at(j), 0))
     views = dict(tok=lambda x: x.reshape(b * tp * h, x.shape[-1]),
                  beta=lambda x: x.reshape(b * tp, h),
                  untok=lambda x, d: x.reshape(b, tp, h, d),
                  unbeta=lambda x: x.reshape(b, tp, h))
   else:
     tok = lambda d: pl.BlockSpec((pl.squeezed, c, hb * d),
-                                 lambda i, j: (i // nh, at(j), i % nh))
+                                 lambda i, j, *_: (i // nh, at(j), i % nh))
     rows = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, hb, c),
-                        lambda i, j: (i // nh, at(j), i % nh, 0, 0))
+                        lambda i, j, *_: (i // nh, at(j), i % nh, 0, 0))
     views = dict(
         tok=lambda x: x.reshape(b, tp, h * x.shape[-1]),
         beta=lambda x: pallas_tpu._beta_rows(x, n, c, nh, hb),
@@ -1029,7 +1193,8 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
         unbeta=lambda x: jnp.transpose(x.reshape(b, n, h, c),
                                        (0, 1, 3, 2)).reshape(b, tp, h))
   return n, tp, dict(tok=tok, rows=rows, state=state,
-                     chunk_state=chunk_state, lanes=lanes, runs=runs), views
+                     chunk_state=chunk_state, lanes=lanes, runs=runs,
+                     run_state=run_state), views
 
 
 def _gate_lanes(a_log, dt_bias, kd):
@@ -1051,7 +1216,10 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   """(o, final state[, chunk states [B*H, T/C, K, V] with t.save_states]).
 
   With `t.prep`, q, k and g are raw (the kernel prepares them; a_log and
-  dt_bias feed the fused gate); `segment_ids` [B, T] with `t.segmented`.
+  dt_bias feed the fused gate); `segment_ids` [B, T] with `t.segmented`,
+  and with `t.run_states` the triple (ids, runs, flags) of `_realign`
+  (ids in its layout, T a multiple of the chunk): initial_state and the
+  returned final state are then per run, [B, R, H, K, V].
   """
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
@@ -1068,38 +1236,56 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
   args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
           view["beta"](beta)]
+  prefetch, state_spec, per_row = _run_state_args(t, segment_ids, spec,
+                                                  h // hb)
   if t.segmented:
     in_specs.append(spec["runs"])
-    args.append(_run_rows(segment_ids, n, t.chunk))
+    args.append(_run_rows(segment_ids[0] if t.run_states else segment_ids,
+                          n, t.chunk, at_edges=bool(t.run_states)))
   if t.gated:
     in_specs += [spec["lanes"], spec["lanes"]]
     args += _gate_lanes(a_log, dt_bias, kd)
   if t.has_initial_state:
-    in_specs.append(spec["state"])
-    args.append(initial_state.astype(_F32).reshape(b * h, kd, vd))
+    in_specs.append(state_spec)
+    args.append(initial_state.astype(_F32).reshape(-1, kd, vd))
   # Strided, the output is written as float32 rows and cast after: Mosaic
   # has no strided store of 16-bit data (on a v5e: "Strided store with non
   # 32-bit data", docs/kernel.md).
   o_dtype = _F32 if t.strided else q.dtype
   o_view = jax.eval_shape(view["tok"], jax.ShapeDtypeStruct(
       (b, tp, h, vd), o_dtype))
-  out_specs = [tok(vd), spec["state"]]
-  out_shape = [o_view, jax.ShapeDtypeStruct((b * h, kd, vd), _F32)]
+  out_specs = [tok(vd), state_spec]
+  out_shape = [o_view,
+               jax.ShapeDtypeStruct((b * per_row * h, kd, vd), _F32)]
   if t.save_states:
     out_specs.append(spec["chunk_state"])
     out_shape.append(jax.ShapeDtypeStruct((b * h, n, kd, vd), _F32))
   out = pl.pallas_call(
       functools.partial(_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=0, grid=(b * (h // hb), n), in_specs=in_specs,
-          out_specs=out_specs,
+          num_scalar_prefetch=len(prefetch), grid=(b * (h // hb), n),
+          in_specs=in_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
       out_shape=out_shape,
       compiler_params=_params(vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
-  )(*args)
+  )(*prefetch, *args)
   o = view["untok"](out[0], vd)[:, :seq].astype(q.dtype)
-  return (o, out[1].reshape(b, h, kd, vd), *out[2:])
+  final = out[1].reshape(b, -1, h, kd, vd)
+  return (o, final if t.run_states else final[:, 0], *out[2:])
+
+
+def _run_state_args(t: Config, segment_ids, spec, nh):
+  """(scalar-prefetched rows, the state blocks' spec, states a batch row):
+  with `t.run_states` each chunk's run and flags, repeated for each of the
+  nh head blocks of a batch row (a grid row reads its own), and a state per
+  run; else no rows and one state a batch row."""
+  if not t.run_states:
+    return [], spec["state"], 1
+  _, runs, flags = segment_ids
+  rows = [jnp.repeat(x.astype(jnp.int32)[:, None], nh, axis=1).reshape(-1)
+          for x in (runs, flags)]
+  return rows, spec["run_state"], t.run_states
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -1127,14 +1313,17 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
   in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
   args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
           view["beta"](beta)]
+  prefetch, state_spec, per_row = _run_state_args(t, segment_ids, spec,
+                                                  h // hb)
   if t.segmented:
     in_specs.append(spec["runs"])
-    args.append(_run_rows(segment_ids, n, t.chunk))
+    args.append(_run_rows(segment_ids[0] if t.run_states else segment_ids,
+                          n, t.chunk, at_edges=bool(t.run_states)))
   if t.gated:
     in_specs += [spec["lanes"], spec["lanes"]]
     args += _gate_lanes(a_log, dt_bias, kd)
-  in_specs += [spec["chunk_state"], tok(vd), spec["state"]]
-  args += [states, view["tok"](do), dfinal.astype(_F32).reshape(b * h, kd, vd)]
+  in_specs += [spec["chunk_state"], tok(vd), state_spec]
+  args += [states, view["tok"](do), dfinal.astype(_F32).reshape(-1, kd, vd)]
   if t.prep is None or t.strided:
     dtype = lambda x: _F32
   else:
@@ -1143,30 +1332,30 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
       view["tok"], jax.ShapeDtypeStruct((b, tp, h, d), dtype(x)))
   db_shape = jax.eval_shape(view["beta"],
                             jax.ShapeDtypeStruct((b, tp, h), _F32))
-  out_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
-               spec["state"]]
+  out_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"], state_spec]
   out_shape = [shape(kd, q), shape(kd, k), shape(vd, v), shape(kd, g),
-               db_shape, jax.ShapeDtypeStruct((b * h, kd, vd), _F32)]
+               db_shape, jax.ShapeDtypeStruct((b * per_row * h, kd, vd), _F32)]
   if t.gated:  # per-lane sums, resident along the (arbitrary) chunk axis
     nh = h // hb
     sums = pl.BlockSpec((pl.squeezed, 1, hb * kd),
-                        lambda i, j: (i // nh, 0, i % nh))
+                        lambda i, j, *_: (i // nh, 0, i % nh))
     out_specs += [sums, sums]
     out_shape += [jax.ShapeDtypeStruct((b, 1, h * kd), _F32)] * 2
   out = pl.pallas_call(
       functools.partial(_backward_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=0, grid=(b * (h // hb), n), in_specs=in_specs,
-          out_specs=out_specs,
+          num_scalar_prefetch=len(prefetch), grid=(b * (h // hb), n),
+          in_specs=in_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
       out_shape=out_shape,
       compiler_params=_params(2 * vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
-  )(*args)
+  )(*prefetch, *args)
   dq, dk, dv, dg, db, ds0 = out[:6]
   unflat = lambda x, d: view["untok"](x, d)[:, :seq]
   grads = (unflat(dq, kd), unflat(dk, kd), unflat(dv, vd), unflat(dg, kd),
-           view["unbeta"](db)[:, :seq], ds0.reshape(b, h, kd, vd))
+           view["unbeta"](db)[:, :seq],
+           ds0.reshape((b, -1, h, kd, vd) if t.run_states else (b, h, kd, vd)))
   if t.prep is None:
     return grads
   if not t.gated:
