@@ -97,6 +97,8 @@ def main():
   p.add_argument("--steps", default=",".join(STEP_NAMES),
                  help="a subset of the steps, in the order given")
   p.add_argument("--calls", type=cli.positive_int, default=3)
+  p.add_argument("--passes", default="fwd,fwd_bwd",
+                 help="of fwd, fwd_bwd: the passes a step runs, of its own")
   p.add_argument("--trace_dir", default=None)
   p.add_argument("--smoke", action="store_true",
                  help="B1 T128 H16 K128, one call a profile (a check)")
@@ -105,6 +107,9 @@ def main():
   unknown = [s for s in chosen if s not in STEP_NAMES]
   if unknown:
     p.error(f"--steps: unknown {unknown}; allowed: {', '.join(STEP_NAMES)}")
+  chosen_passes = a.passes.split(",")
+  if not set(chosen_passes) <= {"fwd", "fwd_bwd"}:
+    p.error(f"--passes: of fwd, fwd_bwd; got {a.passes!r}")
   if a.reserve_s < 0:
     p.error(f"--reserve_s: 0 or more seconds; got {a.reserve_s}")
   plan = {s[0]: s for s in steps()}
@@ -127,7 +132,7 @@ def main():
     step = report["steps"][name] = dict(shape=shape, dtype=dtype,
                                         documents=docs, results={})
     for impl, precision in impls:
-      for pass_name in passes:
+      for pass_name in [x for x in passes if x in chosen_passes]:
         key = f"{impl}_{pass_name}" + (
             f"@{precision}" if precision != "auto" else "")
         left = a.budget_s - (time.monotonic() - start)

@@ -34,11 +34,12 @@ def _run(tmp_path, *flags):
 
 @pytest.mark.slow
 def test_smoke_profiles_a_step(tmp_path):
-  steps = _run(tmp_path, "--steps=strided", "--budget_s=900")
+  steps = _run(tmp_path, "--steps=strided", "--passes=fwd_bwd",
+               "--budget_s=900")
   assert list(steps) == ["strided"]
   assert set(steps["strided"]["results"]) == {
-      f"{impl}_{p}" for impl in ("batched_hb16_fused", "batched_strided_fused")
-      for p in ("fwd", "fwd_bwd")}
+      f"{impl}_fwd_bwd" for impl in ("batched_hb16_fused",
+                                     "batched_strided_fused")}
   for key, r in steps["strided"]["results"].items():
     assert "error" not in r and "skipped" not in r, (key, r)
     assert r["wall_ms_per_call"] and "ops" in r, key
