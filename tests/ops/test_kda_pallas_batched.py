@@ -439,21 +439,24 @@ def test_realigned_runs_start_on_chunk_edges():
 
 
 def test_more_runs_than_segments_give_nan_not_a_wrong_answer():
-  # The layout holds at most num_segments runs a row; a row with more gets
-  # NaN (backend `pallas` sends such calls to `chunked`), the others are
-  # computed. Row 0: segments 1, 2, 1 (three runs) with num_segments=2.
-  (q, k, v, g, beta, _), a_log, dt_bias = _raw_inputs(64, h=2, b=2)
-  ids = np.ones((2, 64), np.int32)
+  # The layout holds at most num_segments runs a row and their states; a
+  # row with more runs or a larger id gets NaN (backend `pallas` sends such
+  # calls to `chunked`), the others are computed. num_segments=2; row 0:
+  # segments 1, 2, 1 (three runs); row 1: 1, 2; row 2: 1, 3.
+  (q, k, v, g, beta, _), a_log, dt_bias = _raw_inputs(64, h=2, b=3)
+  ids = np.ones((3, 64), np.int32)
   ids[0, 20:40] = 2
   ids[1, 32:] = 2
+  ids[2, 32:] = 3
   assert pallas_batched.too_many_runs(jnp.asarray(ids), 2).tolist() == [
-      True, False]
+      True, False, True]
   o, final = pallas_batched.kda(
       q, k, v, g, beta, scale=128 ** -0.5, a_log=a_log, dt_bias=dt_bias,
       lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
       precision=ACCURATE, segment_ids=jnp.asarray(ids), num_segments=2,
       interpret=True)
-  assert np.all(np.isnan(o[0])) and np.all(np.isnan(final[0]))
+  for row in (0, 2):
+    assert np.all(np.isnan(o[row])) and np.all(np.isnan(final[row])), row
   assert np.all(np.isfinite(o[1])) and np.all(np.isfinite(final[1]))
 
 
@@ -481,7 +484,7 @@ def test_packed_segments_in_bfloat16_at_one_pass():
 
 
 @pytest.mark.parametrize("fused_backward, states", [
-    (False, False), (True, False), (True, True)])
+    (False, False), (True, False), (False, True), (True, True)])
 def test_packed_segments_export_to_mosaic_for_tpu_v5e(fused_backward, states):
   # With per-segment states the kernels read two scalar-prefetched rows
   # and index the state blocks by them.

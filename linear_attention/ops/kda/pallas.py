@@ -19,8 +19,9 @@ over it):
 * packed segments with padding anywhere, and their per-segment states
   (`initial_state` [B, N, H, K, V], `output_final_state`): each run then
   starts on a chunk edge (`pallas_batched._realign`), so a row holds at most
-  N runs; a call with a row of more (a segment met again after another)
-  runs on `chunked` instead, chosen on the device (`jax.lax.cond`);
+  N runs; a call with a row of more (a segment met again after another
+  can make one) runs on `chunked` as a whole, chosen on the device
+  (`jax.lax.cond`);
 * not yet: `context_axis`, chunk-boundary states.
 
 "auto" picks this backend only inside the class of calls measured faster

@@ -344,10 +344,11 @@ def _run_rows(segment_ids, n, c, at_edges=False):
   is 0: every token reads the state its chunk starts from."""
   b, seq = segment_ids.shape
   ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, n * c - seq)])
-  _, _, start = common.segment_runs(ids)
   if at_edges:
-    start = jnp.zeros_like(start)
-  starts = jnp.cumsum(start.reshape(b, n, c).astype(jnp.int32), axis=2)
+    starts = jnp.zeros((b, n, c), jnp.int32)
+  else:
+    _, _, start = common.segment_runs(ids)
+    starts = jnp.cumsum(start.reshape(b, n, c).astype(jnp.int32), axis=2)
   rows = jnp.stack([starts, (ids > 0).reshape(b, n, c)], axis=2)
   return jnp.pad(rows.astype(_F32),
                  [(0, 0), (0, 0), (0, RUN_ROWS - 2), (0, 0)])
@@ -914,8 +915,10 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   [B, N, H, K, V] (or None: zeros), and the final states [B, N, H, K, V]
   are returned. Each run is then moved to start on a chunk edge
   (`_realign`), so a row takes at most N runs (a segment met again after
-  another starts one more); a row with more gets NaN outputs and states
-  (backend `pallas` runs such calls on `chunked`, `too_many_runs`).
+  another starts one more); a row with more, or with an id above N, gets
+  NaN outputs and states (backend `pallas` runs such calls on `chunked`,
+  `too_many_runs`). The grid always covers the bound, T + N (C - 1) tokens
+  rounded up to the chunk, whatever the rows hold.
 
   Returns (o [B, T, H, V] in q's dtype, final state float32: [B, H, K, V],
   or [B, N, H, K, V] with `num_segments`, or None with `segment_ids` only).
@@ -961,10 +964,17 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
 
 
 def too_many_runs(segment_ids, num_segments):
-  """[B] bool: the rows with more runs than `num_segments` (`kda`'s bound
-  with per-segment states)."""
-  run_seg, _, start = common.segment_runs(segment_ids.astype(jnp.int32))
-  return jnp.sum(start & (run_seg > 0), axis=1) > num_segments
+  """[B] bool: the rows `kda` cannot lay out with per-segment states: more
+  runs than `num_segments`, or an id above it."""
+  ids = segment_ids.astype(jnp.int32)
+  run_seg, _, start = common.segment_runs(ids)
+  return _beyond(ids, start & (run_seg > 0), num_segments, num_segments)
+
+
+def _beyond(ids, first, runs, num_segments):
+  """[B] bool: rows with more than `runs` runs (`first`: where each starts)
+  or an id above `num_segments`."""
+  return (jnp.sum(first, axis=1) > runs) | jnp.any(ids > num_segments, axis=1)
 
 
 def _realign(segment_ids, runs, num_segments, c):
@@ -980,7 +990,7 @@ def _realign(segment_ids, runs, num_segments, c):
     flags [B, T'/C] (each chunk's run; 1 a run starts there, 2 one ends
     there), run_segment [B, R] (its segment id, 0 for no run), last_run [B,
     N] (each segment's last run, -1 for none) and over [B] (a row with more
-    than `runs` runs).
+    than `runs` runs, or an id above `num_segments`).
   """
   b, seq = segment_ids.shape
   n = -(-(seq + runs * (c - 1)) // c)
@@ -988,7 +998,8 @@ def _realign(segment_ids, runs, num_segments, c):
   ids = segment_ids.astype(jnp.int32)
   run_seg, _, start = common.segment_runs(ids)
   real = run_seg > 0
-  run = jnp.cumsum(start & real, axis=1, dtype=jnp.int32) - 1
+  first = start & real
+  run = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1
   count = run[:, -1] + 1
   kept = real & (run < runs)
   slot = jnp.where(kept, run, runs)  # `runs`: a slot that is dropped
@@ -1015,7 +1026,8 @@ def _realign(segment_ids, runs, num_segments, c):
       rows, jnp.where(kept, run_seg - 1, num_segments)].max(run, mode="drop")
   return dict(src=src, valid=valid, place=place, chunk_run=chunk_run,
               flags=starts + 2 * ends, run_segment=run_segment,
-              last_run=last_run, over=count > runs)
+              last_run=last_run,
+              over=_beyond(ids, first, runs, num_segments))
 
 
 def _kda_runs(t: Config, q, k, v, g, beta, initial_state, a_log, dt_bias,
@@ -1071,6 +1083,9 @@ def _check_segments(segment_ids, shape, initial_state, strided, num_segments,
     raise ValueError(f"num_segments must be an int >= 1; got {num_segments!r}.")
   elif initial_state is not None:
     b, h, kd, vd = heads
+    if not jnp.issubdtype(initial_state.dtype, jnp.floating):
+      raise ValueError(f"initial_state must be floating point; got"
+                       f" {initial_state.dtype}.")
     want = (b, num_segments, h, kd, vd)
     if tuple(initial_state.shape) != want:
       raise ValueError(f"initial_state with num_segments must have shape"
@@ -1272,7 +1287,17 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   )(*prefetch, *args)
   o = view["untok"](out[0], vd)[:, :seq].astype(q.dtype)
   final = out[1].reshape(b, -1, h, kd, vd)
-  return (o, final if t.run_states else final[:, 0], *out[2:])
+  final = _mapped(final, segment_ids) if t.run_states else final[:, 0]
+  return (o, final, *out[2:])
+
+
+def _mapped(states, segment_ids):
+  """Per-run states [B, R, H, K, V] with 0 for the runs no chunk holds (no
+  grid step writes their blocks)."""
+  runs = segment_ids[1]
+  live = jnp.any(runs[:, None, :] == jnp.arange(states.shape[1])[:, None],
+                 axis=2)
+  return jnp.where(live[:, :, None, None, None], states, 0.0)
 
 
 def _run_state_args(t: Config, segment_ids, spec, nh):
@@ -1353,9 +1378,10 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
   )(*prefetch, *args)
   dq, dk, dv, dg, db, ds0 = out[:6]
   unflat = lambda x, d: view["untok"](x, d)[:, :seq]
+  ds0 = (_mapped(ds0.reshape(b, -1, h, kd, vd), segment_ids) if t.run_states
+         else ds0.reshape(b, h, kd, vd))
   grads = (unflat(dq, kd), unflat(dk, kd), unflat(dv, vd), unflat(dg, kd),
-           view["unbeta"](db)[:, :seq],
-           ds0.reshape((b, -1, h, kd, vd) if t.run_states else (b, h, kd, vd)))
+           view["unbeta"](db)[:, :seq], ds0)
   if t.prep is None:
     return grads
   if not t.gated:
