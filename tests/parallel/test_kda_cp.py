@@ -16,6 +16,8 @@ import pytest
 from experiments.training import interpret
 from linear_attention import ops
 from linear_attention import testing
+from linear_attention.ops.kda import api as kda_api
+from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import tokamax_kernel
 from tests.kda_oracle import kda_numpy
 from tests.parallel import common
@@ -52,7 +54,8 @@ def make_case(gate, *, segments=True, init=True, b=2, h=2, kd=8, vd=16,
 
 
 def run_op(args, kw, backend, num_ranks, final):
-  """The op on one device (num_ranks=None) or sharded over T."""
+  """The op on one device (num_ranks=None) or sharded over T (`shard_map`
+  checks vma types where the backend traces under them)."""
   names = sorted(args)
 
   def op(*xs):
@@ -68,8 +71,10 @@ def run_op(args, kw, backend, num_ranks, final):
     return op(*[args[n] for n in names])
   seq = ("q", "k", "v", "g", "beta", "segment_ids")
   specs = tuple(P(None, AXIS) if n in seq else P() for n in names)
-  sharded = jax.shard_map(op, mesh=common.mesh(num_ranks), in_specs=specs,
-                          out_specs=(P(None, AXIS), P()))
+  sharded = jax.shard_map(
+      op, mesh=common.mesh(num_ranks), in_specs=specs,
+      out_specs=(P(None, AXIS), P()),
+      check_vma=kda_api.traces_under_check_vma(backend))
   return sharded(*[args[n] for n in names])
 
 
@@ -124,6 +129,20 @@ class ContextParallelKdaTest(parameterized.TestCase):
     args, kw = make_case(gate, segments=segments, init=stateful)
     expected = outputs_and_grads(args, kw, backend, None, final=stateful)
     actual = outputs_and_grads(args, kw, backend, num_ranks, final=stateful)
+    assert_same(actual, expected)
+
+  def test_pallas_kernels_as_the_per_rank_engine(self):
+    # Backend "pallas" (Pallas interpret mode) under a context axis: its
+    # per-rank calls are packed segments with per-segment states (values
+    # [v | 0_K] and an identity state in the first), so the kernels run
+    # them; outputs, final states and every gradient against the
+    # single-device reference op, at 2 ranks with packed segments and
+    # initial states, K = V = 128.
+    args, kw = make_case("lower_bound", h=1, kd=128, vd=128)
+    expected = outputs_and_grads(args, kw, "reference", None)
+    with mosaic.interpreted():
+      actual = outputs_and_grads(args, dict(kw, precision="highest"),
+                                 "pallas", 2)
     assert_same(actual, expected)
 
   @parameterized.named_parameters(

@@ -22,7 +22,11 @@ over it):
   N runs; a call with a row of more (a segment met again after another
   can make one) runs on `chunked` as a whole, chosen on the device
   (`jax.lax.cond`);
-* not yet: `context_axis`, chunk-boundary states.
+* `context_axis` and chunk-boundary states (`output_chunk_states`) by the
+  exact state passing of `context_parallel`, whose local calls are packed
+  segments with per-segment states (a shard's or a piece's first run in a
+  slot of its own): the calls with few runs a row run on the kernels; a
+  row of many runs (packed documents without states) on `chunked`.
 
 "auto" picks this backend only inside the class of calls measured faster
 than every other backend on a chip (`auto_declines`; docs/kernel.md,
@@ -36,8 +40,9 @@ backend 5.8 and 26.9; tokamax's kernel 4.0 and 12.1), B8 T4096 H16 5.4 and
 14.0 ms (tokamax 8.6 and 27.2), B1 T1024 H32 0.28 and 0.83 ms (chunked 0.73
 and 2.79, tokamax 0.43 and 1.39), and B1 T8192 H32 packed with 1024-token
 documents 2.7 and 7.2 ms (chunked 10.7 and 39.1). Elsewhere (float32
-inputs, T below 1024, H not a multiple of 16, per-segment states, other
-chips) it has not been timed against the others, so "auto" passes over it;
+inputs, T below 1024, H not a multiple of 16, per-segment states, a
+context axis, chunk-boundary states, other chips) it has not been timed
+against the others, so "auto" passes over it;
 `backend="pallas"` runs it wherever `supports` allows.
 
 float32 inputs at precision "auto" run every group at HIGH (three bfloat16
@@ -59,6 +64,7 @@ import jax.numpy as jnp
 from linear_attention.ops import backends
 from linear_attention.ops.kda import chunked
 from linear_attention.ops.kda import common
+from linear_attention.ops.kda import context_parallel
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import precision as precision_lib
@@ -92,12 +98,6 @@ def supports(call: common.Call) -> str | None:
   """Why the kernels cannot take `call`, or None (see the module docstring)."""
   q, v = call.q, call.v
   kd, vd = q.shape[-1], v.shape[-1]
-  if call.context_axis is not None:
-    return ("our Pallas kernel does not run under context_axis yet; use"
-            " backend='chunked' (exact state passing).")
-  if call.output_chunk_states:
-    return ("output_chunk_states is implemented on the 'reference' and"
-            " 'chunked' backends.")
   if call.chunk_size not in (None,) + CHUNKS:
     return (f"our Pallas kernel runs chunks of {', '.join(map(str, CHUNKS))}"
             f" tokens; got chunk_size={call.chunk_size}.")
@@ -135,15 +135,19 @@ def auto_declines(target: backends.Target,
   if (heads_per_block(call) != AUTO_HEADS_PER_BLOCK
       or call.precision != "auto" or t < AUTO_MIN_T
       or call.chunk_size not in (None, DEFAULT_CHUNK)
-      or not call.use_qk_l2norm or _segment_states(call)):
+      or not call.use_qk_l2norm or _segment_states(call)
+      or call.context_axis is not None or call.output_chunk_states):
     return ("measured faster only for bfloat16 at precision 'auto', K = V"
             f" = {LANES}, H a multiple of {AUTO_HEADS_PER_BLOCK}, T >="
             f" {AUTO_MIN_T}, {DEFAULT_CHUNK}-token chunks and the q/k L2"
-            f" norm, packed segments without per-segment states; got"
+            f" norm, packed segments without per-segment states, no context"
+            f" axis and no chunk-boundary states; got"
             f" {call.q.dtype.name}, precision {call.precision!r}, K={kd},"
             f" V={call.v.shape[-1]}, H={h}, T={t}, chunk_size="
             f"{call.chunk_size}, use_qk_l2norm={call.use_qk_l2norm},"
-            f" per-segment states: {_segment_states(call)}")
+            f" per-segment states: {_segment_states(call)}, context_axis="
+            f"{call.context_axis}, output_chunk_states="
+            f"{call.output_chunk_states}")
   return None
 
 
@@ -174,7 +178,21 @@ def _segment_states(call: common.Call) -> bool:
 
 
 def run(call: common.Call):
-  """The call on our kernels; `supports(call)` is None."""
+  """The call on our kernels; `supports(call)` is None. Under a context
+  axis, or with chunk-boundary states, through `context_parallel.run`, whose
+  per-rank (per-piece) calls are packed segments with per-segment states."""
+  def local(q, k, v, g, beta, *, initial_state, output_final_state,
+            segment_ids, max_num_segments, **_):
+    return _run_one(call._replace(
+        q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+        output_final_state=output_final_state, segment_ids=segment_ids,
+        max_num_segments=max_num_segments, context_axis=None,
+        output_chunk_states=False))
+  return context_parallel.run(local, call)
+
+
+def _run_one(call: common.Call):
+  """One call on one device (no context axis, no chunk-boundary states)."""
   states = _segment_states(call)
   n = call.max_num_segments if states else None
 

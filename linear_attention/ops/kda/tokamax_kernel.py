@@ -113,9 +113,9 @@ def supports(call: common.Call) -> str | None:
     return ("tokamax's kernel pins its own matmul precision; precision must"
             f" be 'auto', got {call.precision!r}.")
   if call.output_chunk_states:
-    return ("output_chunk_states is implemented on the 'reference' and"
-            " 'chunked' backends (tokamax's kernel returns no intermediate"
-            " states).")
+    return ("output_chunk_states is implemented on the 'reference',"
+            " 'chunked' and 'pallas' backends (tokamax's kernel returns no"
+            " intermediate states).")
   if call.context_axis is not None:
     limits = []
     if kd % CP_MULTIPLE or vd % CP_MULTIPLE:
