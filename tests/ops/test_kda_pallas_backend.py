@@ -98,26 +98,38 @@ def test_packed_segments_match_the_float64_reference():
   # a multiple of the chunk; the output and every gradient.
   args, kw = make_inputs(Case(b=2, t=100, h=1, hv=2, k=128, v=128,
                               segments=True, init=False))
-  names = [n for n in GRAD_ARGS if n in args]
   do = np.random.default_rng(1).normal(size=args["v"].shape)
 
-  def grads(args, backend, **more):
+  def output(out):
+    assert out[1] is None  # no final state asked
+    return out[0]
+
+  (o, o64), grads = _against_float64(args, kw, output, do)
+  testing.assert_close(o, o64, rtol=RTOL_F32, name="output")
+  for name, x, w in grads:
+    testing.assert_close(x, w, rtol=RTOL_F32, name=f"d{name}")
+
+
+def _against_float64(args, kw, pick, cotangent):
+  """((value, value64), [(name, grad, grad64)]): `pick` of the op's
+  outputs and the gradients of sum(pick(...) * cotangent) through the
+  kernels ("pallas" at HIGHEST) and through the float64 reference op."""
+  names = [n for n in GRAD_ARGS if n in args]
+
+  def run(args, backend, **more):
     def loss(*diff):
-      o, final = ops.kimi_delta_attention(
+      out = pick(ops.kimi_delta_attention(
           **dict(args, **dict(zip(names, diff))), backend=backend, **kw,
-          **more)
-      assert final is None
-      return jnp.sum(o.astype(jnp.float32) * jnp.asarray(do, o.dtype)), o
+          **more))
+      return jnp.sum(out * jnp.asarray(cotangent, out.dtype)), out
     return jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
         *[args[n] for n in names])
 
   with kernels():
-    g, o = grads(args, "pallas", precision="highest")
+    g, value = run(args, "pallas", precision="highest")
   with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-    g64, o64 = grads(_float64(args), "reference")
-  testing.assert_close(o, o64, rtol=RTOL_F32, name="output")
-  for name, x, w in zip(names, g, g64):
-    testing.assert_close(x, w, rtol=RTOL_F32, name=f"d{name}")
+    g64, value64 = run(_float64(args), "reference")
+  return (value, value64), list(zip(names, g, g64))
 
 
 @pytest.mark.parametrize("over", [False, True])
@@ -152,24 +164,10 @@ def test_chunk_boundary_states_match_the_float64_reference():
   args, kw = make_inputs(Case(b=2, t=100, h=1, k=128, v=128, segments=True))
   kw = dict(kw, output_final_state=True, output_chunk_states=True,
             chunk_states_every=32)
-  names = [n for n in GRAD_ARGS if n in args]
   dc = np.random.default_rng(2).normal(size=(2, 3, 1, 128, 128))
-
-  def states(args, backend, **more):
-    def loss(*diff):
-      _, _, chunks = ops.kimi_delta_attention(
-          **dict(args, **dict(zip(names, diff))), backend=backend, **kw,
-          **more)
-      return jnp.sum(chunks * jnp.asarray(dc, chunks.dtype)), chunks
-    return jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
-        *[args[n] for n in names])
-
-  with kernels():
-    g, c = states(args, "pallas", precision="highest")
-  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-    g64, c64 = states(_float64(args), "reference")
+  (c, c64), grads = _against_float64(args, kw, lambda out: out[2], dc)
   testing.assert_close(c, c64, rtol=RTOL_F32, name="chunk states")
-  for name, x, w in zip(names, g, g64):
+  for name, x, w in grads:
     testing.assert_close(x, w, rtol=RTOL_F32, name=f"d{name}")
 
 

@@ -721,19 +721,7 @@ def _backward_kernel(*refs, t: Config):
                        t.blocks)
   p = t.precision
   step = pl.program_id(1)
-
-  @pl.when(step == 0)  # the last chunk: dX' is the final state's cotangent
-  def _():
-    dstate_ref[...] = r["dsf"][...].astype(_F32)
-    if t.gated:  # the a_log and dt_bias sums start here
-      r["da"][...] = jnp.zeros(r["da"].shape, _F32)
-      r["ddt"][...] = jnp.zeros(r["ddt"].shape, _F32)
-
-  if t.run_states:
-    @pl.when(flags >= 2)  # a run's last chunk: dX' is its final state's
-    def _():
-      dstate_ref[...] = r["dsf"][...].astype(_F32)
-
+  _backward_step_start(r, t, step, flags)
   x, q2, k2, masks, seg, saved, rate = _load_chunk(r, t)
   f, wu, beta = x["f"], x["wu"], x["beta"]
   kh = lambda y: _heads(y, hb, kd)
@@ -793,6 +781,26 @@ def _backward_kernel(*refs, t: Config):
     @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
     def _():
       r["ds0"][...] = dstate_ref[...]
+
+
+def _backward_step_start(r, t: Config, step, flags):
+  """Before a backward step: at the last chunk (the first step) dX' is the
+  final state's cotangent and the a_log and dt_bias sums start; with
+  `t.run_states`, at each run's last chunk dX' is that run's final-state
+  cotangent."""
+  dstate_ref = r["dstate"]
+
+  @pl.when(step == 0)
+  def _():
+    dstate_ref[...] = r["dsf"][...].astype(_F32)
+    if t.gated:
+      r["da"][...] = jnp.zeros(r["da"].shape, _F32)
+      r["ddt"][...] = jnp.zeros(r["ddt"].shape, _F32)
+
+  if t.run_states:
+    @pl.when(flags >= 2)
+    def _():
+      dstate_ref[...] = r["dsf"][...].astype(_F32)
 
 
 def _write_gradients(r, grads, rate, saved, t: Config):
