@@ -197,7 +197,7 @@ def _run_one(call: common.Call):
   n = call.max_num_segments if states else None
 
   def kernels():
-    o, final = pallas_batched.kda(
+    return pallas_batched.kda(
         call.q, call.k, call.v, call.g, call.beta, call.initial_state,
         scale=call.scale, a_log=call.a_log, dt_bias=call.dt_bias,
         lower_bound=call.lower_bound, use_gate_in_kernel=True,
@@ -206,7 +206,6 @@ def _run_one(call: common.Call):
         chunk=call.chunk_size or DEFAULT_CHUNK,
         heads_per_block=heads_per_block(call), segment_ids=call.segment_ids,
         num_segments=n, interpret=call.target.off_tpu_mode == "interpret")
-    return o, final
 
   if not states:
     o, final = kernels()

@@ -1233,6 +1233,29 @@ def _params(budget):
       vmem_limit_bytes=int(min(max(32 * 2 ** 20, 2 * budget), 100 * 2 ** 20)))
 
 
+def _chunk_inputs(t: Config, spec, view, n, nh, qkvgb, segment_ids, a_log,
+                  dt_bias):
+  """What both kernels read first, as (scalar-prefetched rows, in_specs,
+  args, the state blocks' spec, states a batch row): q, k, v, g and beta
+  blocks, with segments their run rows, with the fused gate its lanes
+  (`_run_state_args` for the rest)."""
+  q, k, v, g, beta = qkvgb
+  kd, vd = t.key_dim, t.value_dim
+  tok = spec["tok"]
+  in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
+  args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
+          view["beta"](beta)]
+  prefetch, state_spec, per_row = _run_state_args(t, segment_ids, spec, nh)
+  if t.segmented:
+    in_specs.append(spec["runs"])
+    args.append(_run_rows(segment_ids[0] if t.run_states else segment_ids,
+                          n, t.chunk, at_edges=bool(t.run_states)))
+  if t.gated:
+    in_specs += [spec["lanes"], spec["lanes"]]
+    args += _gate_lanes(a_log, dt_bias, kd)
+  return prefetch, in_specs, args, state_spec, per_row
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
              dt_bias=None, segment_ids=None):
@@ -1256,18 +1279,9 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
     g = jnp.pad(g, [(0, 0), (0, tp - seq), (0, 0), (0, 0)],
                 constant_values=pad_g)
   tok = spec["tok"]
-  in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
-  args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
-          view["beta"](beta)]
-  prefetch, state_spec, per_row = _run_state_args(t, segment_ids, spec,
-                                                  h // hb)
-  if t.segmented:
-    in_specs.append(spec["runs"])
-    args.append(_run_rows(segment_ids[0] if t.run_states else segment_ids,
-                          n, t.chunk, at_edges=bool(t.run_states)))
-  if t.gated:
-    in_specs += [spec["lanes"], spec["lanes"]]
-    args += _gate_lanes(a_log, dt_bias, kd)
+  prefetch, in_specs, args, state_spec, per_row = _chunk_inputs(
+      t, spec, view, n, h // hb, (q, k, v, g, beta), segment_ids, a_log,
+      dt_bias)
   if t.has_initial_state:
     in_specs.append(state_spec)
     args.append(initial_state.astype(_F32).reshape(-1, kd, vd))
@@ -1343,18 +1357,9 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
     g = jnp.pad(g, [(0, 0), (0, tp - seq), (0, 0), (0, 0)],
                 constant_values=-jnp.inf if t.gated else 0.0)
   tok = spec["tok"]
-  in_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"]]
-  args = [view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
-          view["beta"](beta)]
-  prefetch, state_spec, per_row = _run_state_args(t, segment_ids, spec,
-                                                  h // hb)
-  if t.segmented:
-    in_specs.append(spec["runs"])
-    args.append(_run_rows(segment_ids[0] if t.run_states else segment_ids,
-                          n, t.chunk, at_edges=bool(t.run_states)))
-  if t.gated:
-    in_specs += [spec["lanes"], spec["lanes"]]
-    args += _gate_lanes(a_log, dt_bias, kd)
+  prefetch, in_specs, args, state_spec, per_row = _chunk_inputs(
+      t, spec, view, n, h // hb, (q, k, v, g, beta), segment_ids, a_log,
+      dt_bias)
   in_specs += [spec["chunk_state"], tok(vd), state_spec]
   args += [states, view["tok"](do), dfinal.astype(_F32).reshape(-1, kd, vd)]
   if t.prep is None or t.strided:
