@@ -112,14 +112,19 @@ def parse_precision(text):
   return precision_lib.Precisions(*(levels[n] for n in names))
 
 
-def _segment_states(segment_ids, q, v, states):
-  """(initial states [B, N, H, K, V], N) for `states`: zeros, one per
-  segment of `documents`' ids (N the last id); else (None, None)."""
-  if not states:
-    return None, None
+def _num_segments(segment_ids, states):
+  """N, the last of `documents`' ids, read once outside any trace (the
+  kernels' bound is static); None without `states`."""
+  return int(segment_ids[0, -1]) if states else None
+
+
+def _segment_states(n, q, v):
+  """Zero initial states [B, N, H, K, V], one per segment; None without
+  N."""
+  if n is None:
+    return None
   b, t, h, kd = q.shape
-  n = int(segment_ids[0, -1])
-  return jnp.zeros((b, n, h, kd, v.shape[-1]), jnp.float32), n
+  return jnp.zeros((b, n, h, kd, v.shape[-1]), jnp.float32)
 
 
 def batched_op(heads_per_block=None, strided=False, fused_backward=False,
@@ -127,9 +132,10 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
   """Our batched-heads kernel on the raw inputs (preparation inside it);
   with `states`, per-segment initial and final states."""
   interpret = jax.devices()[0].platform != "tpu"
+  n = _num_segments(segment_ids, states)
 
   def f(q, k, v, g, beta, a_log, dt_bias):
-    s0, n = _segment_states(segment_ids, q, v, states)
+    s0 = _segment_states(n, q, v)
     o, final = pallas_batched.kda(
         q, k, v, g, beta, s0, scale=q.shape[-1] ** -0.5, a_log=a_log,
         dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
@@ -145,8 +151,10 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
 def chunked_op(segment_ids=None, precision="auto", states=False):
   """The op's chunked backend (on packed rows with `segment_ids`; with
   `states`, per-segment initial and final states)."""
+  n = _num_segments(segment_ids, states)
+
   def f(q, k, v, g, beta, a_log, dt_bias):
-    s0, n = _segment_states(segment_ids, q, v, states)
+    s0 = _segment_states(n, q, v)
     o, final = ops.kimi_delta_attention(
         q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
         use_gate_in_kernel=True, use_qk_l2norm=True, segment_ids=segment_ids,

@@ -13,8 +13,10 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
+from benchmarks import kda_tpu
 from benchmarks import kda_tpu_profile as profile
 from benchmarks import kda_tpu_session
 
@@ -45,17 +47,22 @@ def test_smoke_profiles_a_step(tmp_path):
     assert r["wall_ms_per_call"] and "ops" in r, key
 
 
-def test_every_step_names_implementations_that_exist():
+def test_every_step_names_implementations_that_trace():
   # Every (implementation, precision, packed rows) of the plan builds a
-  # function (without running it), so no step fails on the chip for a name.
+  # function and traces under jit (shapes only, nothing run), so no step
+  # fails on the chip for a name or a value read at trace time.
   ids = profile.documents(1, 128, 64)
-  for name, _, _, impls, passes, docs in kda_tpu_session.steps():
+  for name, _, dtype, impls, passes, docs in kda_tpu_session.steps():
+    args = jax.eval_shape(lambda: kda_tpu.inputs(1, 128, 16, 128,
+                                                 dtype=dtype))
     for impl, precision in impls:
+      if impl == "tokamax_mosaic":
+        continue  # tokamax's kernel traces only for a TPU
       for pass_name in passes:
         fn = profile.with_pass(profile.implementation(
             impl, ids if docs else None, profile.parse_precision(precision)),
                                pass_name)
-        assert callable(fn), (name, impl, precision, pass_name)
+        jax.eval_shape(jax.jit(fn), *args)
 
 
 def test_a_spent_budget_skips_and_records_every_profile(tmp_path):
