@@ -230,25 +230,34 @@ def _call(kind="TPU v5 lite", dtype="bfloat16", t=4096, h=16, kd=128,
   return common.Call(**dict(fields, **changes))
 
 
+_IDS = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
+
+
 @pytest.mark.parametrize("call, expected", [
     # The class measured faster than every other backend on a v5e.
     (_call(), "pallas"),
     (_call(t=8192, h=32), "pallas"),
     (_call(t=1024, h=32), "pallas"),
+    (_call(t=512, h=32), "pallas"),
     (_call(t=8192, h=32, segment_ids=jax.ShapeDtypeStruct((1, 8192),
                                                           jnp.int32)),
      "pallas"),
+    (_call(segment_ids=_IDS, max_num_segments=4, output_final_state=True),
+     "pallas"),
+    (_call(dtype="float32", h=32), "pallas"),
+    (_call(dtype="float32", h=8, t=1024), "pallas"),
     # Outside it on a v5e: tokamax's kernel refuses the v5e, so chunked.
-    (_call(t=512), "chunked"),
+    (_call(t=256), "chunked"),
     (_call(h=8), "chunked"),
-    (_call(dtype="float32"), "chunked"),
+    (_call(dtype="float32", t=512), "chunked"),
+    (_call(dtype="float32", h=4), "chunked"),
+    (_call(dtype="float32", segment_ids=_IDS), "chunked"),
     (_call(precision="highest"), "chunked"),
+    (_call(dtype="float32", precision="highest"), "chunked"),
     (_call(lower_bound=None, use_gate_in_kernel=False), "chunked"),
     (_call(chunk_size=32), "chunked"),
     (_call(use_qk_l2norm=False), "chunked"),
-    # Packed segments with per-segment states: not timed on a chip yet.
-    (_call(segment_ids=jax.ShapeDtypeStruct((1, 4096), jnp.int32),
-           max_num_segments=4, output_final_state=True), "chunked"),
+    (_call(output_chunk_states=True), "chunked"),
     # Not timed on other chips: the v6e keeps tokamax's kernel.
     (_call(kind="TPU v6 lite"), "tokamax"),
 ])
@@ -270,4 +279,4 @@ def test_auto_runs_the_kernels_in_a_program_exported_for_a_v5e():
       return jax.export.export(jax.jit(f), platforms=["tpu"])(specs)
 
   assert forward("bfloat16").mlir_module().count("tpu_custom_call") == 1
-  assert forward("float32").mlir_module().count("tpu_custom_call") == 0
+  assert forward("float32").mlir_module().count("tpu_custom_call") == 1

@@ -29,21 +29,26 @@ over it):
   row of many runs (packed documents without states) on `chunked`.
 
 "auto" picks this backend only inside the class of calls measured faster
-than every other backend on a chip (`auto_declines`; docs/kernel.md,
-`benchmarks/results/kda_tpu_session_v5e.json` and
-`kda_tpu_profile_milestone_v5e.json`): a TPU v5e, bfloat16 q, k, v at
-precision "auto", K = V = 128, H a multiple of 16, T >= 1024, 64-token
-chunks, the q/k L2 norm, packed segments without per-segment states or
-none. There, in device time forward and forward+backward: B1 T8192 H32
-2.6 and 6.9 ms (the chunked
-backend 5.8 and 26.9; tokamax's kernel 4.0 and 12.1), B8 T4096 H16 5.4 and
-14.0 ms (tokamax 8.6 and 27.2), B1 T1024 H32 0.28 and 0.83 ms (chunked 0.73
-and 2.79, tokamax 0.43 and 1.39), and B1 T8192 H32 packed with 1024-token
-documents 2.7 and 7.2 ms (chunked 10.7 and 39.1). Elsewhere (float32
-inputs, T below 1024, H not a multiple of 16, per-segment states, a
-context axis, chunk-boundary states, other chips) it has not been timed
-against the others, so "auto" passes over it;
-`backend="pallas"` runs it wherever `supports` allows.
+than every other backend on a chip (`auto_declines`, `AUTO_CLASS`;
+docs/kernel.md and the `kda_tpu_session*_v5e.json` files in
+benchmarks/results): a TPU v5e, precision "auto", K = V = 128, 64-token
+chunks, the q/k L2 norm, no context axis and no chunk-boundary states, and
+  * bfloat16 with H a multiple of 16 and T >= 512, packed segments with or
+    without per-segment states, or none;
+  * float32 with H a multiple of 8 and T >= 1024, without packed segments.
+There, in device time forward and forward+backward, bfloat16: B1 T8192 H32
+2.6 and 6.9 ms (the chunked backend 5.8 and 26.9; tokamax's kernel 4.0 and
+12.1), B8 T4096 H16 5.4 and 14.0 ms (tokamax 8.6 and 27.2), B1 T1024 H32
+0.28 and 0.83 ms (chunked 0.73 and 2.79, tokamax 0.43 and 1.39), B1 T512
+H32 0.14 and 0.42 ms (chunked 0.37 and 1.37, tokamax 0.22 and 0.72), B1
+T8192 H32 packed with 1024-token documents 2.7 and 7.2 ms (chunked 10.7 and
+39.1), and with their per-segment states 5.7 and 14.8 ms (chunked 52.1 and
+118.9); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and 47.7),
+T1024 0.66 and 1.86 ms (chunked 1.46 and 5.31). Elsewhere (T below those,
+H not a multiple, float32 with packed segments, a context axis,
+chunk-boundary states, other chips) it has not been timed against the
+others, so "auto" passes over it; `backend="pallas"` runs it wherever
+`supports` allows.
 
 float32 inputs at precision "auto" run every group at HIGH (three bfloat16
 passes, `FLOAT32_AUTO`), not HIGHEST (six): within the op's float32 bounds
@@ -79,10 +84,17 @@ DEFAULT_CHUNK = 64
 LANES = pallas_batched.LANES
 
 
-# The measured class (see the module docstring).
+# The measured class (see the module docstring): per dtype, the heads a grid
+# step runs (H must be a multiple), the shortest T timed faster, and whether
+# packed segments were timed (bfloat16: with and without per-segment states).
 AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
-AUTO_MIN_T = 1024  # measured at 1024, 2048, 4096 and 8192
-AUTO_HEADS_PER_BLOCK = 16  # faster than 8 at both measured shapes
+AUTO_CLASS = {
+    # T 512, 1024, 2048, 4096 and 8192; 1024-token documents at T 8192.
+    "bfloat16": dict(heads=16, min_t=512, segments=True),
+    # T 1024 and 8192, at HIGH (FLOAT32_AUTO).
+    "float32": dict(heads=8, min_t=1024, segments=False),
+}
+AUTO_HEADS_PER_BLOCK = AUTO_CLASS["bfloat16"]["heads"]  # 16 beat 8 (bf16)
 # float32 at precision "auto" (the module docstring).
 FLOAT32_AUTO = precision_lib.Precisions.every(Precision.HIGH)
 
@@ -128,27 +140,35 @@ def auto_declines(target: backends.Target,
     return ("measured faster than the other backends only on a TPU v5e so"
             f" far; the target is {target.device_kind!r}")
   if call is None:
-    return ("chosen per call on a TPU v5e (bfloat16, K = V = 128, H a"
-            f" multiple of {AUTO_HEADS_PER_BLOCK}, T >= {AUTO_MIN_T})")
+    return f"chosen per call on a TPU v5e ({_class_text()})"
   _, t, h, kd = call.q.shape
-  # bfloat16, K = V = 128 and H a multiple of 16: the measured 16 heads a step.
-  if (heads_per_block(call) != AUTO_HEADS_PER_BLOCK
-      or call.precision != "auto" or t < AUTO_MIN_T
+  vd = call.v.shape[-1]
+  cls = AUTO_CLASS.get(call.q.dtype.name)
+  if (cls is None or kd != LANES or vd != LANES or h % cls["heads"]
+      or t < cls["min_t"] or call.precision != "auto"
       or call.chunk_size not in (None, DEFAULT_CHUNK)
-      or not call.use_qk_l2norm or _segment_states(call)
+      or not call.use_qk_l2norm
+      or (call.segment_ids is not None and not cls["segments"])
       or call.context_axis is not None or call.output_chunk_states):
-    return ("measured faster only for bfloat16 at precision 'auto', K = V"
-            f" = {LANES}, H a multiple of {AUTO_HEADS_PER_BLOCK}, T >="
-            f" {AUTO_MIN_T}, {DEFAULT_CHUNK}-token chunks and the q/k L2"
-            f" norm, packed segments without per-segment states, no context"
-            f" axis and no chunk-boundary states; got"
+    return (f"measured faster only for {_class_text()}; got"
             f" {call.q.dtype.name}, precision {call.precision!r}, K={kd},"
-            f" V={call.v.shape[-1]}, H={h}, T={t}, chunk_size="
-            f"{call.chunk_size}, use_qk_l2norm={call.use_qk_l2norm},"
-            f" per-segment states: {_segment_states(call)}, context_axis="
-            f"{call.context_axis}, output_chunk_states="
-            f"{call.output_chunk_states}")
+            f" V={vd}, H={h}, T={t}, chunk_size={call.chunk_size},"
+            f" use_qk_l2norm={call.use_qk_l2norm}, per-segment states:"
+            f" {_segment_states(call)}, context_axis={call.context_axis},"
+            f" output_chunk_states={call.output_chunk_states}")
   return None
+
+
+def _class_text() -> str:
+  """The measured class in words (`AUTO_CLASS`)."""
+  per_dtype = "; ".join(
+      f"{name} with H a multiple of {c['heads']}, T >= {c['min_t']} and"
+      + (" packed segments (per-segment states too) or none" if c["segments"]
+         else " no packed segments")
+      for name, c in AUTO_CLASS.items())
+  return (f"precision 'auto', K = V = {LANES}, {DEFAULT_CHUNK}-token chunks,"
+          f" the q/k L2 norm, no context axis and no chunk-boundary states:"
+          f" {per_dtype}")
 
 
 def heads_per_block(call: common.Call) -> int | None:
