@@ -10,7 +10,8 @@ q/k L2 norm, a random initial state. The loss is
 `sum(o * do) + sum(final_state * ds)` with random float64 cotangents do, ds.
 
 Oracle: the `reference` backend (token-by-token `lax.scan`) in float64 under
-`jax.enable_x64(True)`: output, final state and the gradients of the loss
+`jax.enable_x64(True)`, on the host's CPU whatever the default device (on a
+TPU host the cases run on the chip, the oracle beside them): output, final state and the gradients of the loss
 with respect to q, k, v, g (raw gate), beta, a_log, dt_bias and the initial
 state. Past `--oracle_segment` tokens the oracle runs the same recurrence as
 a scan over segments, each a `jax.checkpoint`ed reference call that takes
@@ -180,8 +181,10 @@ def check_dtypes(name, o, s, grads, expected):
 
 
 def run_oracle(args, cotangents):
-  """Float64 reference: ({quantity: array}, seconds). x64 on inside."""
-  with jax.enable_x64(True):
+  """Float64 reference on the host's CPU (an accelerator's float64, where it
+  has one, is emulated or absent): ({quantity: array}, seconds). x64 on
+  inside."""
+  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
     if jnp.zeros((), jnp.float64).dtype != jnp.float64:
       sys.exit("error: float64 is unavailable even under"
                " jax.enable_x64(True); the float64 oracle cannot run")
