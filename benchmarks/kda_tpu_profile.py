@@ -32,6 +32,8 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   default: the backward kernel prepares each raw block and pulls the
   gradients back through the preparation itself; 8 and 16 heads a step,
   and strided);
+* `batched_strided_hb16bwd_fused`: the strided forward with the fused
+  backward on unstrided blocks of 16 heads (`strided_backward=False`);
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 
 `--precision` sets our implementations' matmul precision: a name of the
@@ -72,7 +74,7 @@ from linear_attention.ops.kda import precision as precision_lib
 
 IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
          "batched_fused", "batched_hb16_fused", "batched_strided_fused",
-         "tokamax_mosaic")
+         "batched_strided_hb16bwd_fused", "tokamax_mosaic")
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -128,7 +130,8 @@ def _segment_states(n, q, v):
 
 
 def batched_op(heads_per_block=None, strided=False, fused_backward=False,
-               segment_ids=None, precision="auto", states=False):
+               segment_ids=None, precision="auto", states=False,
+               strided_backward=None):
   """Our batched-heads kernel on the raw inputs (preparation inside it);
   with `states`, per-segment initial and final states."""
   interpret = jax.devices()[0].platform != "tpu"
@@ -142,7 +145,7 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
         use_qk_l2norm=True,
         precision=precision_lib.resolve(precision, q.dtype),
         heads_per_block=heads_per_block, strided=strided,
-        fused_backward=fused_backward, segment_ids=segment_ids,
+        strided_backward=strided_backward, fused_backward=fused_backward, segment_ids=segment_ids,
         num_segments=n, interpret=interpret)
     return (o, final) if states else o
   return f
@@ -192,6 +195,7 @@ def implementation(name, segment_ids=None, precision="auto"):
   if name.startswith("batched"):
     return batched_op(heads_per_block=16 if "hb16" in name else None,
                       strided=name.startswith("batched_strided"),
+                      strided_backward=False if "hb16bwd" in name else None,
                       fused_backward=name.endswith("_fused"),
                       segment_ids=segment_ids, precision=precision,
                       states=states)

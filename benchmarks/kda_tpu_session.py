@@ -13,25 +13,24 @@ than `--reserve_s` of the budget left is skipped and marked so. The traces
 go to `--trace_dir` (a temporary folder by default), not to DIR.
 
 Steps (docs/kernel.md, "Next"; bfloat16 and B1 T8192 H32 K128 unless
-named; the steps of the session before, whose results are
-`benchmarks/results/kda_tpu_session_v5e.json`, decided the fused backward,
-float32's three passes, packed rows and T >= 1024 in `auto`'s class):
+named). The sessions before decided the fused backward, float32's three
+passes, and `auto`'s class on a v5e (`kda_tpu_session_v5e.json`,
+`kda_tpu_session_decisions_v5e.json`,
+`kda_tpu_session_segment_states_v5e.json` in benchmarks/results); these
+are the steps still owed:
 
-1. `milestone_b8`: our kernels (the fused backward, now the default)
-   against tokamax's at B8 T4096 H16 in one process, forward and
-   forward+backward: milestone 1 at the second shape.
-2. `strided`: the strided kernels (rows of the op's own layout, no
-   relayouts around them) against the 16-heads-a-step ones, forward and
-   forward+backward, both with the fused backward: the default if faster.
-3. `float32`: float32 inputs, `chunked` at "auto" (HIGHEST) against our
-   kernels at HIGH (the backend's float32 "auto") and at one pass (the
-   1.3x reference): whether float32 joins `auto`'s class.
-4. `float32_t1024`: the same at T 1024.
-5. `short_t512`: T 512 (B1 H32): `chunked`, our kernels and tokamax's
-   (`auto`'s class below T 1024).
-6. `segment_states`: rows of 1024-token documents with per-segment states
-   (zero initial states in, final states out), `chunked` against our
-   kernels in the realigned layout: whether such calls join `auto`'s class.
+1. `split`: the strided forward (2.18 ms against 2.58, but its backward
+   slower: 7.48 ms forward+backward against 6.90) with the unstrided
+   16-heads-a-step backward (`strided_backward=False`), against both:
+   the default if faster.
+2. `split_b8`: the same at B8 T4096 H16.
+3. `short_t256`: T 256 (B1 H32): `chunked`, our kernels and tokamax's
+   (`auto`'s class below T 512).
+4. `float32_t512`: float32 at T 512, `chunked` at "auto" against our
+   kernels at HIGH (the float32 class below T 1024).
+5. `float32_documents`: float32 rows of 1024-token documents, without and
+   with per-segment states, `chunked` against our kernels at HIGH (float32
+   packed segments in the class).
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
 profile: on a CPU the kernels run in interpret mode, a check of the script,
@@ -61,16 +60,18 @@ def steps():
   f32 = [("chunked", "auto"), ("batched_fused", "high"),
          ("batched_fused", "default")]
   return [
-      ("milestone_b8", wide, "bfloat16",
-       auto("batched_hb16_fused", "tokamax_mosaic"), both, 0),
-      ("strided", big, "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
-      ("float32", big, "float32", f32, both, 0),
-      ("float32_t1024", (1, 1024, 32, 128), "float32", f32, both, 0),
-      ("short_t512", (1, 512, 32, 128), "bfloat16",
+      ("split", big, "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused",
+            "batched_strided_hb16bwd_fused"), both, 0),
+      ("split_b8", wide, "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_hb16bwd_fused"), both, 0),
+      ("short_t256", (1, 256, 32, 128), "bfloat16",
        auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
-      ("segment_states", big, "bfloat16",
-       auto("chunked_states", "batched_hb16_fused_states"), both, 1024),
+      ("float32_t512", (1, 512, 32, 128), "float32", f32[:2], both, 0),
+      ("float32_documents", big, "float32",
+       [("chunked", "auto"), ("batched_fused", "high"),
+        ("chunked_states", "auto"), ("batched_fused_states", "high")],
+       both, 1024),
   ]
 
 

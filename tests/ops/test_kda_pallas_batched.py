@@ -102,7 +102,8 @@ def test_gradients_of_bfloat16_inputs():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("fused, strided, fused_backward", [
     (False, False, False), (True, False, False), (True, True, False),
-    (True, False, True), (True, True, True)])
+    (True, False, True), (True, True, True),
+    (True, "forward", True)])  # strided forward, backward 16 heads a step
 def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused,
                                                       strided, fused_backward):
   b, t, h, kd = 1, 200, 16, 128
@@ -116,7 +117,9 @@ def test_forward_and_backward_export_to_mosaic_for_tpu(chip, dtype, fused,
     fwd = lambda *a: pallas_batched.kda(
         *a, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
         use_gate_in_kernel=True, use_qk_l2norm=True, precision=precision,
-        strided=strided, fused_backward=fused_backward)
+        strided=bool(strided), fused_backward=fused_backward,
+        **(dict(strided_backward=False, heads_per_block=16)
+           if strided == "forward" else {}))
   else:
     fwd = lambda *a: pallas_batched.kda_forward(*a, precision=precision,
                                                 lower_bound=-5.0)
@@ -262,6 +265,67 @@ def test_fused_backward_sums_a_log_and_dt_bias_over_a_batch():
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
   for name, x, w in zip(RAW_NAMES, grads, grads64):
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_strided_forward_with_an_unstrided_backward(dtype):
+  # The strided forward's chunk states feed the unstrided fused backward
+  # (two head blocks of 2): every gradient against the float64 reference
+  # op, in the inputs' dtypes (the unstrided backward writes 16-bit rows),
+  # at the bounds of the tests above for each dtype.
+  f32 = dtype == jnp.float32
+  (out, grads), (out64, grads64) = _raw_pair(
+      100, gated=True, l2norm=True, h=4, dtype=dtype,
+      precision=ACCURATE if f32 else FAST, heads_per_block=2, strided=True,
+      strided_backward=False, fused_backward=True)
+  testing.assert_close(out[0], np.asarray(out64[0]),
+                       rtol=RTOL_F32 if f32 else RTOL_BF16_OUT, name="output")
+  for name, x, w in zip(RAW_NAMES, grads, grads64):
+    want = dtype if name in ("dq", "dk", "dv", "dbeta") else jnp.float32
+    assert x.dtype == want, name
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32 if f32 else 8e-3,
+                         name=name)
+
+
+def _pallas_grids(jaxpr):
+  """The grid of every pallas_call in `jaxpr` and its sub-jaxprs, in order."""
+  grids = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      grids.append(tuple(eqn.params["grid_mapping"].grid))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          grids += _pallas_grids(sub)
+  return grids
+
+
+def test_a_strided_forward_hands_its_backward_to_unstrided_blocks():
+  # Forward: one grid row (all 4 heads a step); backward: two (2 heads a
+  # step), so the gradients above come from the unstrided kernel.
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(100, h=4)
+
+  def loss(q):
+    o, s = pallas_batched.kda(
+        q, k, v, g, beta, s0, scale=1.0, a_log=a_log, dt_bias=dt_bias,
+        lower_bound=-5.0, use_gate_in_kernel=True, precision=ACCURATE,
+        heads_per_block=2, strided=True, strided_backward=False,
+        interpret=True)
+    return jnp.sum(o) + jnp.sum(s)
+
+  assert _pallas_grids(jax.make_jaxpr(jax.grad(loss))(q).jaxpr) == [
+      (1, 2), (2, 2)]
+
+
+def test_an_unstrided_backward_only_in_the_fused_form():
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(64, h=4)
+  with pytest.raises(NotImplementedError, match="fused form"):
+    pallas_batched.kda(q, k, v, g, beta, s0, scale=1.0, a_log=a_log,
+                       dt_bias=dt_bias, lower_bound=-5.0,
+                       use_gate_in_kernel=True, precision=ACCURATE,
+                       strided=True, strided_backward=False,
+                       fused_backward=False, interpret=True)
 
 
 @pytest.mark.parametrize("strided", [False, True])

@@ -123,6 +123,11 @@ class Config:
   # 1.7x faster on a v5e); else the backward prepares in XLA and pulls back
   # there (`_kda_raw_bwd`).
   fused_backward: bool = True
+  # With `strided` and the fused backward: None, the backward reads strided
+  # rows too; else it reads the unstrided blocks, this many heads a step
+  # (`_backward_config`). The chunk states the forward saves are [B*H, n,
+  # K, V] in either layout, so either backward takes them.
+  backward_heads_per_block: int | None = None
   # Packed segments (`segment_ids`, without initial or final states): each
   # chunk also reads its run rows (`_run_rows`) and restricts its pairs and
   # its use of the carried state to runs (`_run_masks`).
@@ -900,8 +905,9 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
         use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
-        heads_per_block=None, strided=False, fused_backward=True,
-        segment_ids=None, num_segments=None, interpret=False):
+        heads_per_block=None, strided=False, strided_backward=None,
+        fused_backward=True, segment_ids=None, num_segments=None,
+        interpret=False):
   """The KDA forward on the op's raw inputs, preparation inside the kernel.
 
   q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -927,6 +933,11 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   NaN outputs and states (backend `pallas` runs such calls on `chunked`,
   `too_many_runs`). The grid always covers the bound, T + N (C - 1) tokens
   rounded up to the chunk, whatever the rows hold.
+
+  `strided` reads and writes the op's layout as rows, all H heads a step
+  (`Config.strided`); `strided_backward` (None: as `strided`) False with
+  it runs the fused backward on unstrided blocks of `heads_per_block`
+  heads (None: the default) instead.
 
   Returns (o [B, T, H, V] in q's dtype, final state float32: [B, H, K, V],
   or [B, N, H, K, V] with `num_segments`, or None with `segment_ids` only).
@@ -954,12 +965,22 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   run_states = int(num_segments or 0) if segment_ids is not None else 0
   prep = Prep(l2norm=bool(use_qk_l2norm), scale=float(scale),
               lower_bound=float(lower_bound) if gated else None)
+  split = bool(strided) and strided_backward is not None and (
+      not strided_backward)
+  if split and not fused_backward:
+    raise NotImplementedError(
+        "pallas_batched runs an unstrided backward after a strided forward"
+        " only in its fused form; got strided_backward=False with"
+        " fused_backward=False.")
   t = Config(chunk=chunk,
-             heads_per_block=_heads_per_block(h, heads_per_block, strided),
+             heads_per_block=_heads_per_block(
+                 h, None if split else heads_per_block, strided),
              key_dim=kd, value_dim=v.shape[-1],
              has_initial_state=initial_state is not None or run_states > 0,
              precision=precision, interpret=bool(interpret), prep=prep,
              strided=bool(strided), fused_backward=bool(fused_backward),
+             backward_heads_per_block=(
+                 _heads_per_block(h, heads_per_block) if split else None),
              segmented=segment_ids is not None, run_states=run_states)
   if not gated:
     a_log = dt_bias = None
@@ -1147,9 +1168,21 @@ def _kda_raw_fwd(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
                       segment_ids, states)
 
 
+def _backward_config(t: Config) -> Config:
+  """The backward's configuration: `t`, or with a strided forward and
+  `t.backward_heads_per_block` the unstrided one of that many heads a
+  step."""
+  if not t.strided or t.backward_heads_per_block is None:
+    return t
+  return dataclasses.replace(t, strided=False,
+                             heads_per_block=t.backward_heads_per_block,
+                             backward_heads_per_block=None)
+
+
 def _kda_raw_bwd(t, residuals, cotangents):
   (q, k, v, g, beta, initial_state, a_log, dt_bias, segment_ids,
    states) = residuals
+  t = _backward_config(t)
   do, dfinal = cotangents
   cast = lambda x, like: None if like is None else x.astype(like.dtype)
   if t.fused_backward:
