@@ -145,8 +145,8 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
         use_qk_l2norm=True,
         precision=precision_lib.resolve(precision, q.dtype),
         heads_per_block=heads_per_block, strided=strided,
-        strided_backward=strided_backward, fused_backward=fused_backward, segment_ids=segment_ids,
-        num_segments=n, interpret=interpret)
+        strided_backward=strided_backward, fused_backward=fused_backward,
+        segment_ids=segment_ids, num_segments=n, interpret=interpret)
     return (o, final) if states else o
   return f
 
