@@ -34,6 +34,10 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   and strided);
 * `batched_strided_hb16bwd_fused`: the strided forward with the fused
   backward on unstrided blocks of 16 heads (`strided_backward=False`);
+* `batched_hball_fused`, `batched_hb16_c128_fused`,
+  `batched_hb8_c128_fused`: the grid step's shape: all H heads a step
+  (unstrided), or 128-token chunks (`_c128`; 64 otherwise), with the fused
+  backward;
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 
 `--precision` sets our implementations' matmul precision: a name of the
@@ -56,6 +60,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import statistics
 import time
 import traceback
@@ -74,7 +79,9 @@ from linear_attention.ops.kda import precision as precision_lib
 
 IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
          "batched_fused", "batched_hb16_fused", "batched_strided_fused",
-         "batched_strided_hb16bwd_fused", "tokamax_mosaic")
+         "batched_strided_hb16bwd_fused", "batched_hball_fused",
+         "batched_hb16_c128_fused", "batched_hb8_c128_fused",
+         "tokamax_mosaic")
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -131,7 +138,7 @@ def _segment_states(n, q, v):
 
 def batched_op(heads_per_block=None, strided=False, fused_backward=False,
                segment_ids=None, precision="auto", states=False,
-               strided_backward=None):
+               strided_backward=None, chunk=pallas_tpu.DEFAULT_CHUNK):
   """Our batched-heads kernel on the raw inputs (preparation inside it);
   with `states`, per-segment initial and final states."""
   interpret = jax.devices()[0].platform != "tpu"
@@ -139,14 +146,16 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
 
   def f(q, k, v, g, beta, a_log, dt_bias):
     s0 = _segment_states(n, q, v)
+    hb = q.shape[2] if heads_per_block == "all" else heads_per_block
     o, final = pallas_batched.kda(
         q, k, v, g, beta, s0, scale=q.shape[-1] ** -0.5, a_log=a_log,
         dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
         use_qk_l2norm=True,
         precision=precision_lib.resolve(precision, q.dtype),
-        heads_per_block=heads_per_block, strided=strided,
+        heads_per_block=hb, strided=strided,
         strided_backward=strided_backward, fused_backward=fused_backward,
-        segment_ids=segment_ids, num_segments=n, interpret=interpret)
+        segment_ids=segment_ids, num_segments=n, chunk=chunk,
+        interpret=interpret)
     return (o, final) if states else o
   return f
 
@@ -193,7 +202,12 @@ def implementation(name, segment_ids=None, precision="auto"):
   if name == "kernel":
     return kernel_op()
   if name.startswith("batched"):
-    return batched_op(heads_per_block=16 if "hb16" in name else None,
+    heads = re.search(r"_hb(\d+|all)", name)
+    chunk = re.search(r"_c(\d+)", name)
+    heads = heads and (heads[1] if heads[1] == "all" else int(heads[1]))
+    return batched_op(heads_per_block=heads or None,
+                      chunk=int(chunk[1]) if chunk else
+                      pallas_tpu.DEFAULT_CHUNK,
                       strided=name.startswith("batched_strided"),
                       strided_backward=False if "hb16bwd" in name else None,
                       fused_backward=name.endswith("_fused"),

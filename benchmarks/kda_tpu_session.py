@@ -24,11 +24,15 @@ are the steps still owed:
    16-heads-a-step backward (`strided_backward=False`), against both:
    the default if faster.
 2. `split_b8`: the same at B8 T4096 H16.
-3. `short_t256`: T 256 (B1 H32): `chunked`, our kernels and tokamax's
+3. `grid_shape`: the grid step's shape, 16 heads and 64-token chunks
+   against all 32 heads a step, and 16 or 8 heads with 128-token chunks
+   (the per-head products are 16..64-row matrices; larger ones fill more
+   of the MXU): toward the forward target.
+4. `short_t256`: T 256 (B1 H32): `chunked`, our kernels and tokamax's
    (`auto`'s class below T 512).
-4. `float32_t512`: float32 at T 512, `chunked` at "auto" against our
+5. `float32_t512`: float32 at T 512, `chunked` at "auto" against our
    kernels at HIGH (the float32 class below T 1024).
-5. `float32_documents`: float32 rows of 1024-token documents, without and
+6. `float32_documents`: float32 rows of 1024-token documents, without and
    with per-segment states, `chunked` against our kernels at HIGH (float32
    packed segments in the class).
 
@@ -65,6 +69,9 @@ def steps():
             "batched_strided_hb16bwd_fused"), both, 0),
       ("split_b8", wide, "bfloat16",
        auto("batched_hb16_fused", "batched_strided_hb16bwd_fused"), both, 0),
+      ("grid_shape", big, "bfloat16",
+       auto("batched_hb16_fused", "batched_hball_fused",
+            "batched_hb16_c128_fused", "batched_hb8_c128_fused"), both, 0),
       ("short_t256", (1, 256, 32, 128), "bfloat16",
        auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
       ("float32_t512", (1, 512, 32, 128), "float32", f32[:2], both, 0),
