@@ -25,6 +25,16 @@ variant is a set of parts:
   A_qk V_new, X' = exp(G_C) X + (K exp(G_C - G))^T V_new), with W = k and
   U = v when the solve is not run.
 
+The batched kernel (`pallas_batched.py`, the `pallas` backend's, on raw
+inputs with the fused gate and the q/k L2 norm) is timed the same way by
+stages of its forward body, each variant running every stage up to its
+own (`BATCHED_STAGES`): `b_io` (read the blocks, write the output),
+`b_prep` (+ the L2 norm, scale and gate), `b_factors` (+ the exponent
+factors), `b_scores` (+ the masked scores), `b_ut` (+ the UT transform's
+solve), `b_state` (+ the chunk-to-chunk state: the whole body), and
+`b_kernel` (the kernel itself through `pallas_batched.kda`), with
+`--batched_heads` heads a step (16: the backend's for bfloat16).
+
 Matmuls run at the op's "auto" precision for the input dtype (one bfloat16
 pass for bfloat16), as `pallas_tpu.kda_forward` does. Times are medians of
 `--repeats` calls after a warm call (the kernel is the whole program but for
@@ -72,6 +82,9 @@ VARIANTS = {
     "batched_hb8": 8,
     "batched_hb16": 16,
 }
+BATCHED_STAGES = ("b_io", "b_prep", "b_factors", "b_scores", "b_ut",
+                  "b_state")
+BATCHED_VARIANTS = BATCHED_STAGES + ("b_kernel",)
 
 
 def _split3(x):
@@ -212,6 +225,92 @@ def parts_fn(parts, heads_per_block=4):
   return f
 
 
+def _batched_parts_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, rate_ref,
+                          dtb_ref, o_ref, sf_ref, state_ref, *, t, stage):
+  """`pallas_batched._kernel`'s body up to `stage` (an index into
+  BATCHED_STAGES), no segments and no initial state; the output sums a
+  piece of every stage run, so none is dropped."""
+  pb = pallas_batched
+  hb, kd, c = t.heads_per_block, t.key_dim, t.chunk
+  chunk_id = pl.program_id(1)
+
+  @pl.when(chunk_id == 0)
+  def _():
+    state_ref[...] = jnp.zeros(state_ref.shape, F32)
+
+  masks = pb._tri_masks(c)
+  q2, k2, g2, v2 = (pb._read(r, t) for r in (q_ref, k_ref, g_ref, v_ref))
+  beta = pb._read_beta(b_ref, t)
+  if stage >= 1:
+    q2, k2, g2, _ = pb._prepare_block(q2, k2, g2, rate_ref[...],
+                                      dtb_ref[...], t)
+  acc = pb._heads(q2 + k2 + g2 + v2, hb, kd) + beta
+  if stage >= 2:
+    f = pb._factors(g2, c, t.blocks)
+    acc = acc + pb._heads(f["read"] + f["to_end"] + f["rowf"]
+                          + sum(f["colfs"]), hb, kd)
+  if stage >= 3:
+    x = pb._scores(q2, k2, f, t, masks)
+    acc = acc + jnp.sum(x["a_qk"] + x["s_kk"], axis=2, keepdims=True)
+  if stage >= 4:
+    x = pb._ut(x, k2, v2, beta, t, masks)
+    acc = acc + x["wu"][:, :, :kd] + x["wu"][:, :, kd:]
+  if stage >= 5:
+    o, state_ref[...] = pb._state_step(x, q2, k2, state_ref[...],
+                                       pb._NO_RUNS, t)
+    acc = acc + o
+  pb._write(o_ref, pb._lanes(acc), t)
+
+  @pl.when(chunk_id == pl.num_programs(1) - 1)
+  def _():
+    sf_ref[...] = state_ref[...]
+
+
+def batched_parts_fn(stage, heads_per_block):
+  """f(q, k, v, g, beta, a_log, dt_bias) -> (o, state): the batched
+  kernel's forward body up to `stage` on its grid and blocks (raw inputs,
+  T a multiple of the chunk), or for "b_kernel" the kernel itself."""
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    b, seq, h, kd = q.shape
+    vd = v.shape[-1]
+    interpret = backends.target_platform() != "tpu"
+    precision = precision_lib.resolve("auto", q.dtype)
+    if stage == "b_kernel":
+      return pallas_batched.kda(
+          q, k, v, g, beta, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias,
+          lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
+          precision=precision, heads_per_block=heads_per_block,
+          interpret=interpret)
+    pb = pallas_batched
+    t = pb.Config(chunk=pt.DEFAULT_CHUNK, heads_per_block=heads_per_block,
+                  key_dim=kd, value_dim=vd, has_initial_state=False,
+                  precision=precision, interpret=interpret,
+                  prep=pb.Prep(l2norm=True, scale=kd ** -0.5,
+                               lower_bound=-5.0))
+    if seq % t.chunk or kd != vd:
+      raise ValueError(f"the stages take T a multiple of {t.chunk} and K ="
+                       f" V; got T={seq}, K={kd}, V={vd}")
+    n, _, spec, view = pb._specs(t, b, seq, h)
+    tok = spec["tok"]
+    out = pl.pallas_call(
+        functools.partial(_batched_parts_kernel, t=t,
+                          stage=BATCHED_STAGES.index(stage)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=(b * (h // heads_per_block), n),
+            in_specs=[tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"],
+                      spec["lanes"], spec["lanes"]],
+            out_specs=[tok(vd), spec["state"]],
+            scratch_shapes=[pltpu.VMEM((heads_per_block, kd, vd), F32)]),
+        out_shape=[jax.ShapeDtypeStruct((b, seq, h * vd), q.dtype),
+                   jax.ShapeDtypeStruct((b * h, kd, vd), F32)],
+        compiler_params=pb._params(pb.vmem_bytes(t, q.dtype, g.dtype)),
+        interpret=interpret,
+    )(view["tok"](q), view["tok"](k), view["tok"](v), view["tok"](g),
+      view["beta"](beta), *pb._gate_lanes(a_log, dt_bias, kd))
+    return view["untok"](out[0], vd), out[1]
+  return f
+
+
 def batched_fn(heads_per_block):
   def f(q, k, v, g, beta):
     interpret = backends.target_platform() != "tpu"
@@ -285,6 +384,19 @@ def time_ms(fn, args, repeats):
   return statistics.median(times), compile_s
 
 
+def _variant_fn(name, heads_per_block, batched_heads):
+  """The function variant `name` times (on prepared inputs for the first
+  kernel's, raw ones for the batched kernel's b_* stages)."""
+  if name in BATCHED_VARIANTS:
+    return batched_parts_fn(name, batched_heads)
+  parts = VARIANTS[name]
+  if parts is None:
+    return full_fn(heads_per_block)
+  if isinstance(parts, int):
+    return batched_fn(parts)
+  return parts_fn(parts, heads_per_block)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default="kda_tpu_parts", type=cli.output_folder)
@@ -292,7 +404,11 @@ def main():
                  type=cli.positive_ints)
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   p.add_argument("--heads_per_block", type=cli.positive_int, default=4)
-  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--batched_heads", type=cli.positive_int, default=16,
+                 help="heads a grid step of the b_* variants")
+  p.add_argument("--variants", default=",".join(VARIANTS),
+                 help=f"of {', '.join(VARIANTS)} (the first kernel) and"
+                 f" {', '.join(BATCHED_VARIANTS)} (the batched kernel)")
   p.add_argument("--repeats", type=cli.positive_int, default=5)
   p.add_argument("--accuracy", action="store_true",
                  help="also both kernels against the float64 recurrence")
@@ -300,25 +416,23 @@ def main():
   shape = tuple(a.shape)
   if len(shape) != 4:
     p.error(f"--shape: four integers B,T,H,K; got {a.shape}")
-  unknown = [n for n in a.variants.split(",") if n not in VARIANTS]
+  known = tuple(VARIANTS) + BATCHED_VARIANTS
+  unknown = [n for n in a.variants.split(",") if n not in known]
   if unknown:
-    p.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
+    p.error(f"--variants: unknown {unknown}; allowed: {', '.join(known)}")
   args = kda_tpu._prepared(*shape, dtype=a.dtype)
+  raw = kda_tpu.inputs(*shape, dtype=a.dtype)
   os.makedirs(a.out, exist_ok=True)
   rows = []
   if a.accuracy:
     rows.append(dict(variant="accuracy", rows=accuracy()))
     print(rows[-1], flush=True)
   for name in a.variants.split(","):
-    parts = VARIANTS[name]
-    if parts is None:
-      fn = full_fn(a.heads_per_block)
-    elif isinstance(parts, int):
-      fn = batched_fn(parts)
-    else:
-      fn = parts_fn(parts, a.heads_per_block)
+    parts = VARIANTS.get(name)
+    fn = _variant_fn(name, a.heads_per_block, a.batched_heads)
+    fn_args = raw if name in BATCHED_VARIANTS else args
     try:
-      ms, compile_s = time_ms(fn, args, a.repeats)
+      ms, compile_s = time_ms(fn, fn_args, a.repeats)
       rows.append(dict(variant=name, parts=parts, ms=round(ms, 3),
                        compile_s=round(compile_s, 1)))
     except Exception as e:  # pylint: disable=broad-except
@@ -328,7 +442,8 @@ def main():
     with open(os.path.join(a.out, "kda_tpu_parts.json"), "w") as fh:
       json.dump(dict(device=str(jax.devices()[0].device_kind),
                      jax=jax.__version__, shape=shape, dtype=a.dtype,
-                     heads_per_block=a.heads_per_block, rows=rows), fh,
+                     heads_per_block=a.heads_per_block,
+                     batched_heads=a.batched_heads, rows=rows), fh,
                 indent=1)
 
 

@@ -471,12 +471,18 @@ def _chunk(q2, k2, v2, g2, beta, t: "Config", masks):
   q2, k2, g2 [C, hb*K], v2 [C, hb*V] float32, beta [hb, C, 1] columns.
   Returns the factors `f`, the per-head (q|k) row-factored scores' inputs,
   the masked scores a_qk (causal) and s (strictly lower, before beta), the
-  beta column [hb, C, 1], the solve's factors and wu = [W | U].
+  beta column [hb, C, 1], the solve's factors and wu = [W | U]: the stages
+  `_factors`, `_scores` and `_ut`, in turn.
   """
-  c, hb, kd, vd, nb = (t.chunk, t.heads_per_block, t.key_dim, t.value_dim,
-                       t.blocks)
-  p = t.precision
-  f = _factors(g2, c, nb)
+  f = _factors(g2, t.chunk, t.blocks)
+  x = _scores(q2, k2, f, t, masks)
+  return _ut(x, k2, v2, beta, t, masks)
+
+
+def _scores(q2, k2, f, t: "Config", masks):
+  """The chunk's masked scores from the exponent factors `f`: a dict of f,
+  qr, kr, kcs (the row- and column-factored q, k), a_qk and s_kk."""
+  hb, kd, nb = t.heads_per_block, t.key_dim, t.blocks
   kh = lambda x: _heads(x, hb, kd)
   qr, kr = kh(q2 * f["rowf"]), kh(k2 * f["rowf"])
   kcs = [kh(k2 * cf) for cf in f["colfs"]]
@@ -484,17 +490,25 @@ def _chunk(q2, k2, v2, g2, beta, t: "Config", masks):
   for n in range(nb):
     rows = slice(SUB * n, SUB * (n + 1))
     lhs = jnp.concatenate([qr[:, rows], kr[:, rows]], axis=1)  # [hb, 2S, K]
-    s = _dot(lhs, kcs[n], _BATCH_NT, p.scores)  # [hb, 2S, C]
+    s = _dot(lhs, kcs[n], _BATCH_NT, t.precision.scores)  # [hb, 2S, C]
     qk_rows.append(s[:, :SUB])
     kk_rows.append(s[:, SUB:])
   a_qk = jnp.where(masks["causal"], jnp.concatenate(qk_rows, axis=1), 0.0)
   s_kk = jnp.where(masks["below"], jnp.concatenate(kk_rows, axis=1), 0.0)
-  kread, v3 = kh(k2 * f["read"]), _heads(v2, hb, vd)
+  return dict(f=f, qr=qr, kr=kr, kcs=kcs, a_qk=a_qk, s_kk=s_kk)
+
+
+def _ut(x, k2, v2, beta, t: "Config", masks):
+  """`_scores`' dict x with the UT transform added: beta, kread, v3, the
+  solve's factors (inv, powers) and wu = [W | U] [hb, C, K + V]."""
+  hb, kd, vd = t.heads_per_block, t.key_dim, t.value_dim
+  kread, v3 = _heads(k2 * x["f"]["read"], hb, kd), _heads(v2, hb, vd)
   rhs = jnp.concatenate([kread, v3], axis=2) * beta
-  inv, powers = _solve_factors(beta * s_kk, masks, nb, p.solve)
-  wu = _solve(inv, powers, rhs, p.solve)  # [hb, C, K + V]
-  return dict(f=f, qr=qr, kr=kr, kcs=kcs, a_qk=a_qk, s_kk=s_kk, beta=beta,
-              kread=kread, v3=v3, inv=inv, powers=powers, wu=wu)
+  inv, powers = _solve_factors(beta * x["s_kk"], masks, t.blocks,
+                               t.precision.solve)
+  wu = _solve(inv, powers, rhs, t.precision.solve)
+  return dict(x, beta=beta, kread=kread, v3=v3, inv=inv, powers=powers,
+              wu=wu)
 
 
 def _unit(x2, hb, kd):
@@ -587,8 +601,6 @@ def _kernel(*refs, t: Config):
   names += ["o", "sf"] + (["cs"] if t.save_states else []) + ["state"]
   r = dict(zip(names, refs))
   s0_ref, cs_ref, state_ref = r.get("s0"), r.get("cs"), r["state"]
-  c, hb, kd = t.chunk, t.heads_per_block, t.key_dim
-  p = t.precision
   chunk_id = pl.program_id(1)
 
   @pl.when(chunk_id == 0)
@@ -604,23 +616,12 @@ def _kernel(*refs, t: Config):
       state_ref[...] = s0_ref[...].astype(_F32)
 
   x, q2, k2, _, seg, _, _ = _load_chunk(r, t)
-  f, wu = x["f"], x["wu"]
-  kh = lambda y: _heads(y, hb, kd)
   state = state_ref[...]  # [hb, K, V]
   if cs_ref is not None:
     cs_ref[...] = state
-  lhs = jnp.concatenate([wu[:, :, :kd], kh(q2 * f["read"])], axis=1)
-  ws = _dot(lhs, state, _BATCH_NN, p.state)  # [hb, 2C, V]: W X and Q X
-  # With segments (`_run_masks`) only the rows of runs that began before
-  # the chunk read X, only the last run's rows write X', padding outputs 0.
-  v_new = wu[:, :, kd:] - _rows(ws[:, :c], seg["carry"])
-  o = _rows(_rows(ws[:, c:], seg["carry"])
-            + _dot(x["a_qk"], v_new, _BATCH_NN, p.output), seg["keep"])
-  k_end = _rows(kh(k2 * f["to_end"]), seg["last"])  # [hb, C, K]
-  decay = _rows(_column(kh(f["total"]), kd), seg["carry_end"])  # [hb, K, 1]
+  o, new_state = _state_step(x, q2, k2, state, seg, t)
   _write(r["o"], _lanes(o), t)
-  state_ref[...] = decay * state + _dot(jnp.swapaxes(k_end, 1, 2), v_new,
-                                        _BATCH_NN, p.state)
+  state_ref[...] = new_state
 
   if t.run_states:  # the run's block holds its state after its last chunk
     r["sf"][...] = state_ref[...]
@@ -628,6 +629,27 @@ def _kernel(*refs, t: Config):
     @pl.when(chunk_id == pl.num_programs(1) - 1)
     def _():
       r["sf"][...] = state_ref[...]
+
+
+def _state_step(x, q2, k2, state, seg, t: Config):
+  """The chunk's output [hb, C, V] and the state after it [hb, K, V], from
+  `_chunk`'s dict x and the state before it (the chunk-to-chunk part: V_new
+  = U - W X, O = (Q exp G) X + A_qk V_new, X' = exp(G_C) X + (K exp(G_C -
+  G))^T V_new). With segments (`_run_masks`) only the rows of runs that
+  began before the chunk read X, only the last run's rows write X', and
+  padding outputs 0."""
+  c, hb, kd, p = t.chunk, t.heads_per_block, t.key_dim, t.precision
+  f, wu = x["f"], x["wu"]
+  kh = lambda y: _heads(y, hb, kd)
+  lhs = jnp.concatenate([wu[:, :, :kd], kh(q2 * f["read"])], axis=1)
+  ws = _dot(lhs, state, _BATCH_NN, p.state)  # [hb, 2C, V]: W X and Q X
+  v_new = wu[:, :, kd:] - _rows(ws[:, :c], seg["carry"])
+  o = _rows(_rows(ws[:, c:], seg["carry"])
+            + _dot(x["a_qk"], v_new, _BATCH_NN, p.output), seg["keep"])
+  k_end = _rows(kh(k2 * f["to_end"]), seg["last"])  # [hb, C, K]
+  decay = _rows(_column(kh(f["total"]), kd), seg["carry_end"])  # [hb, K, 1]
+  return o, decay * state + _dot(jnp.swapaxes(k_end, 1, 2), v_new,
+                                 _BATCH_NN, p.state)
 
 
 def _rows(x, mask):
