@@ -20,7 +20,7 @@ function on a grid of float32 inputs against NumPy in float64:
   running product on the device, against the float64 product, for n up to
   4096 (g uniform in [-1e-3, 0)): what the recurrence's decays alone lose.
 
-Writes DIR/elementwise_accuracy.json (device, JAX version, rows).
+Writes DIR/elementwise_accuracy.json (device, JAX version, commit, rows).
 """
 
 import argparse
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import kda_error_vs_length
 from experiments.tools import cli
 
 F32 = np.float32
@@ -95,8 +96,10 @@ def main():
   p.add_argument("--points", type=cli.positive_int, default=1 << 20)
   a = p.parse_args()
   rows = [measure(name, a.points) for name in FUNCTIONS]
+  commit, dirty = kda_error_vs_length.git_commit()
   report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                functions=rows, decay_product=decay_product())
+                commit=commit, dirty=dirty, functions=rows,
+                decay_product=decay_product())
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "elementwise_accuracy.json"), "w") as fh:
     json.dump(report, fh, indent=1)
