@@ -10,15 +10,15 @@ q/k L2 norm, a random initial state. The loss is
 `sum(o * do) + sum(final_state * ds)` with random float64 cotangents do, ds.
 
 Oracle: the `reference` backend (token-by-token `lax.scan`) in float64 under
-`jax.enable_x64(True)`, on the host's CPU whatever the default device (on a
-TPU host the cases run on the chip, the oracle beside them): output, final state and the gradients of the loss
-with respect to q, k, v, g (raw gate), beta, a_log, dt_bias and the initial
-state. Past `--oracle_segment` tokens the oracle runs the same recurrence as
-a scan over segments, each a `jax.checkpoint`ed reference call that takes
-the previous segment's final state as its initial state: the same arithmetic,
-but the backward stores one state per segment instead of a few per token
-(a float64 state is 64 KiB per head at K = V = 64; 65536 tokens would need
-over 10 GiB of residuals).
+`jax.enable_x64(True)`, on the host's CPU whatever the default device (on a TPU
+host the cases run on the chip, the oracle beside them): output, final state
+and the gradients of the loss with respect to q, k, v, g (raw gate), beta,
+a_log, dt_bias and the initial state. Past `--oracle_segment` tokens the oracle
+runs the same recurrence as a scan over segments, each a `jax.checkpoint`ed
+reference call that takes the previous segment's final state as its initial
+state: the same arithmetic, but the backward stores one state per segment
+instead of a few per token (a float64 state is 64 KiB per head at K = V = 64;
+65536 tokens would need over 10 GiB of residuals).
 
 Under test (x64 off, as in training), each against the oracle:
 * `chunked_f32`: `chunked` on the inputs rounded to float32;

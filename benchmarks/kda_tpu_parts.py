@@ -35,11 +35,12 @@ solve), `b_state` (+ the chunk-to-chunk state: the whole body), and
 `b_kernel` (the kernel itself through `pallas_batched.kda`), with
 `--batched_heads` heads a step (16: the backend's for bfloat16).
 
-Matmuls run at the op's "auto" precision for the input dtype (one bfloat16
-pass for bfloat16), as `pallas_tpu.kda_forward` does. Times are medians of
+Matmuls run at the op's "auto" precision for the input dtype (one bfloat16 pass
+for bfloat16), as `pallas_tpu.kda_forward` does; the `b_*` variants at the
+`pallas` backend's (HIGH on every group for float32). Times are medians of
 `--repeats` calls after a warm call (the kernel is the whole program but for
-the input reshapes, which every variant shares); `full` is the kernel
-itself. Writes `DIR/kda_tpu_parts.json` after each variant.
+the input reshapes, which every variant shares); `full` is the kernel itself.
+Writes `DIR/kda_tpu_parts.json` after each variant.
 """
 
 import argparse
@@ -59,6 +60,7 @@ import numpy as np
 from benchmarks import kda_tpu
 from experiments.tools import cli
 from linear_attention.ops import backends
+from linear_attention.ops.kda import pallas as pallas_backend
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu as pt
 from linear_attention.ops.kda import precision as precision_lib
@@ -274,7 +276,9 @@ def batched_parts_fn(stage, heads_per_block):
     b, seq, h, kd = q.shape
     vd = v.shape[-1]
     interpret = backends.target_platform() != "tpu"
-    precision = precision_lib.resolve("auto", q.dtype)
+    # The backend's precision: HIGH on every group for float32 at "auto".
+    precision = (pallas_backend.FLOAT32_AUTO if q.dtype == F32
+                 else precision_lib.resolve("auto", q.dtype))
     if stage == "b_kernel":
       return pallas_batched.kda(
           q, k, v, g, beta, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias,
@@ -420,15 +424,17 @@ def main():
   unknown = [n for n in a.variants.split(",") if n not in known]
   if unknown:
     p.error(f"--variants: unknown {unknown}; allowed: {', '.join(known)}")
+  names = a.variants.split(",")
   args = kda_tpu._prepared(*shape, dtype=a.dtype)
-  raw = kda_tpu.inputs(*shape, dtype=a.dtype)
+  raw = (kda_tpu.inputs(*shape, dtype=a.dtype)
+         if set(names) & set(BATCHED_VARIANTS) else None)
   os.makedirs(a.out, exist_ok=True)
   rows = []
   if a.accuracy:
     rows.append(dict(variant="accuracy", rows=accuracy()))
     print(rows[-1], flush=True)
-  for name in a.variants.split(","):
-    parts = VARIANTS.get(name)
+  for name in names:
+    parts = VARIANTS.get(name, name)  # a b_* variant: its stage
     fn = _variant_fn(name, a.heads_per_block, a.batched_heads)
     fn_args = raw if name in BATCHED_VARIANTS else args
     try:

@@ -140,7 +140,9 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
                segment_ids=None, precision="auto", states=False,
                strided_backward=None, chunk=pallas_tpu.DEFAULT_CHUNK):
   """Our batched-heads kernel on the raw inputs (preparation inside it);
-  with `states`, per-segment initial and final states."""
+  with `states`, per-segment initial and final states. heads_per_block:
+  a number, "all" (H) or None (the kernel's default); `chunk` tokens a
+  chunk; `strided_backward` as `pallas_batched.kda` takes it."""
   interpret = jax.devices()[0].platform != "tpu"
   n = _num_segments(segment_ids, states)
 

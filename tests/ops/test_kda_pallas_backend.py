@@ -242,7 +242,7 @@ _IDS = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
     (_call(t=8192, h=32, segment_ids=jax.ShapeDtypeStruct((1, 8192),
                                                           jnp.int32)),
      "pallas"),
-    (_call(segment_ids=_IDS, max_num_segments=4, output_final_state=True),
+    (_call(segment_ids=_IDS, max_num_segments=8, output_final_state=True),
      "pallas"),
     (_call(dtype="float32", h=32), "pallas"),
     (_call(dtype="float32", h=8, t=1024), "pallas"),
@@ -252,6 +252,9 @@ _IDS = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
     (_call(dtype="float32", t=512), "chunked"),
     (_call(dtype="float32", h=4), "chunked"),
     (_call(dtype="float32", segment_ids=_IDS), "chunked"),
+    # Per-segment states whose layout would add more than T / 8 tokens.
+    (_call(segment_ids=_IDS, max_num_segments=9, output_final_state=True),
+     "chunked"),
     (_call(precision="highest"), "chunked"),
     (_call(dtype="float32", precision="highest"), "chunked"),
     (_call(lower_bound=None, use_gate_in_kernel=False), "chunked"),

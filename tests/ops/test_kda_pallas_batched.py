@@ -270,9 +270,10 @@ def test_fused_backward_sums_a_log_and_dt_bias_over_a_batch():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_strided_forward_with_an_unstrided_backward(dtype):
   # The strided forward's chunk states feed the unstrided fused backward
-  # (two head blocks of 2): every gradient against the float64 reference
-  # op, in the inputs' dtypes (the unstrided backward writes 16-bit rows),
-  # at the bounds of the tests above for each dtype.
+  # (two head blocks of 2; `test_a_strided_forward_hands_its_backward_to_
+  # unstrided_blocks` shows which kernels run): the output, final state and
+  # every gradient against the float64 reference op, at the bounds of the
+  # tests above for each dtype.
   f32 = dtype == jnp.float32
   (out, grads), (out64, grads64) = _raw_pair(
       100, gated=True, l2norm=True, h=4, dtype=dtype,
@@ -280,9 +281,10 @@ def test_strided_forward_with_an_unstrided_backward(dtype):
       strided_backward=False, fused_backward=True)
   testing.assert_close(out[0], np.asarray(out64[0]),
                        rtol=RTOL_F32 if f32 else RTOL_BF16_OUT, name="output")
+  testing.assert_close(out[1], np.asarray(out64[1]),
+                       rtol=RTOL_F32 if f32 else RTOL_BF16_OUT,
+                       name="final_state")
   for name, x, w in zip(RAW_NAMES, grads, grads64):
-    want = dtype if name in ("dq", "dk", "dv", "dbeta") else jnp.float32
-    assert x.dtype == want, name
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32 if f32 else 8e-3,
                          name=name)
 

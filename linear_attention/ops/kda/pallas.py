@@ -34,7 +34,8 @@ docs/kernel.md and the `kda_tpu_session*_v5e.json` files in
 benchmarks/results): a TPU v5e, precision "auto", K = V = 128, 64-token
 chunks, the q/k L2 norm, no context axis and no chunk-boundary states, and
   * bfloat16 with H a multiple of 16 and T >= 512, packed segments with or
-    without per-segment states, or none;
+    without per-segment states (max_num_segments x 63 <= T / 8: the
+    realigned layout's extra grid at most an eighth), or none;
   * float32 with H a multiple of 8 and T >= 1024, without packed segments.
 There, in device time forward and forward+backward, bfloat16: B1 T8192 H32
 2.6 and 6.9 ms (the chunked backend 5.8 and 26.9; tokamax's kernel 4.0 and
@@ -88,12 +89,18 @@ LANES = pallas_batched.LANES
 # step runs (H must be a multiple), the shortest T timed faster, and whether
 # packed segments were timed (bfloat16: with and without per-segment states).
 AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
+# H enters only as grid rows of that step shape, so any multiple is taken
+# (bfloat16 timed at H16 and H32, float32 at H32).
 AUTO_CLASS = {
     # T 512, 1024, 2048, 4096 and 8192; 1024-token documents at T 8192.
     "bfloat16": dict(heads=16, min_t=512, segments=True),
     # T 1024 and 8192, at HIGH (FLOAT32_AUTO).
     "float32": dict(heads=8, min_t=1024, segments=False),
 }
+# Per-segment states lay every run out from a chunk edge, which adds up to
+# N (C - 1) tokens to the grid: timed at N = 8 and T 8192 (504 tokens, a
+# sixteenth), so the class takes N (C - 1) <= T / 8.
+AUTO_MAX_STATES_GROWTH = 8
 AUTO_HEADS_PER_BLOCK = AUTO_CLASS["bfloat16"]["heads"]  # 16 beat 8 (bf16)
 # float32 at precision "auto" (the module docstring).
 FLOAT32_AUTO = precision_lib.Precisions.every(Precision.HIGH)
@@ -149,12 +156,16 @@ def auto_declines(target: backends.Target,
       or call.chunk_size not in (None, DEFAULT_CHUNK)
       or not call.use_qk_l2norm
       or (call.segment_ids is not None and not cls["segments"])
+      or (_segment_states(call) and call.max_num_segments
+          * (DEFAULT_CHUNK - 1) * AUTO_MAX_STATES_GROWTH > t)
       or call.context_axis is not None or call.output_chunk_states):
     return (f"measured faster only for {_class_text()}; got"
             f" {call.q.dtype.name}, precision {call.precision!r}, K={kd},"
             f" V={vd}, H={h}, T={t}, chunk_size={call.chunk_size},"
-            f" use_qk_l2norm={call.use_qk_l2norm}, per-segment states:"
-            f" {_segment_states(call)}, context_axis={call.context_axis},"
+            f" use_qk_l2norm={call.use_qk_l2norm}, packed segments:"
+            f" {call.segment_ids is not None}, per-segment states:"
+            f" {_segment_states(call)} (max_num_segments="
+            f"{call.max_num_segments}), context_axis={call.context_axis},"
             f" output_chunk_states={call.output_chunk_states}")
   return None
 
@@ -163,8 +174,9 @@ def _class_text() -> str:
   """The measured class in words (`AUTO_CLASS`)."""
   per_dtype = "; ".join(
       f"{name} with H a multiple of {c['heads']}, T >= {c['min_t']} and"
-      + (" packed segments (per-segment states too) or none" if c["segments"]
-         else " no packed segments")
+      + (" packed segments (with per-segment states: max_num_segments"
+         f" x {DEFAULT_CHUNK - 1} <= T / {AUTO_MAX_STATES_GROWTH}) or none"
+         if c["segments"] else " no packed segments")
       for name, c in AUTO_CLASS.items())
   return (f"precision 'auto', K = V = {LANES}, {DEFAULT_CHUNK}-token chunks,"
           f" the q/k L2 norm, no context axis and no chunk-boundary states:"
