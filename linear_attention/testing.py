@@ -3,6 +3,8 @@
 Nothing in the library imports this module.
 """
 
+import contextlib
+
 import jax
 import numpy as np
 
@@ -31,3 +33,14 @@ def assert_close(actual, expected, *, rtol: float, name: str = "value"):
   err = relative_l2_error(actual, expected)
   if not err <= rtol:
     raise AssertionError(f"{name}: relative L2 error {err:.3e} > {rtol:.1e}")
+
+
+@contextlib.contextmanager
+def float64_on_host():
+  """float64 on (`jax.enable_x64`) and the host's CPU the default device:
+  for oracles and float64 tests on any host. A TPU has no native float64
+  (XLA emulates it: a float64 finite-difference test took 137 s on a v5e,
+  docs/tpu.md), and a float64 oracle should not share the device under
+  test."""
+  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+    yield

@@ -25,9 +25,9 @@ paths() {
   case "$1" in
     ops_kda) echo tests/ops/test_kda.py tests/ops/test_kda_precision.py \
       tests/ops/test_kda_pallas.py ;;
-    # ops_more ran 56 tests in 605 s on a v5e (dc64d6d): split where the
-    # float32 reference backend's scans (chunk states, gradient anchors)
-    # take minutes there.
+    # ops_more ran 56 tests in 605 s on a v5e (dc64d6d): split where its
+    # float64 tests (chunk states, gradient anchors; now on the host CPU,
+    # `testing.float64_on_host`) took minutes there.
     ops_states) echo tests/ops/test_kda_chunk_states.py \
       tests/ops/test_kda_chunked_naive.py tests/ops/test_kda_device_accuracy.py \
       tests/ops/test_kda_export.py tests/ops/test_kda_gates.py \

@@ -33,7 +33,9 @@ DIFF = ("q", "k", "v", "g", "beta", "a_log", "dt_bias", "initial_state")
 
 @pytest.fixture(autouse=True)
 def x64():
-  with jax.enable_x64(True):
+  # Every test here is float64: on the host's CPU on any host (on a TPU
+  # float64 is emulated, minutes a test; `testing.float64_on_host`).
+  with testing.float64_on_host():
     yield
 
 

@@ -69,7 +69,7 @@ def test_matches_the_float64_reference(case, precision):
   with kernels():
     o, s, grads = loss_and_grads(args, dict(kw, precision=precision),
                                  "pallas")
-  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+  with testing.float64_on_host():
     o64, s64, grads64 = loss_and_grads(_float64(args), kw, "reference")
   rtol = (lambda name: RTOL_F32) if precision == "highest" else (
       lambda name: AUTO_BOUNDS[name])
@@ -127,7 +127,7 @@ def _against_float64(args, kw, pick, cotangent):
 
   with kernels():
     g, value = run(args, "pallas", precision="highest")
-  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+  with testing.float64_on_host():
     g64, value64 = run(_float64(args), "reference")
   return (value, value64), list(zip(names, g, g64))
 
@@ -147,7 +147,7 @@ def test_per_segment_states_match_the_float64_reference(over):
   with kernels():
     o, s, grads = loss_and_grads(args, dict(kw, precision="highest"),
                                  "pallas")
-  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+  with testing.float64_on_host():
     o64, s64, grads64 = loss_and_grads(_float64(args), kw, "reference")
   testing.assert_close(o, o64, rtol=RTOL_F32, name="output")
   testing.assert_close(s, s64, rtol=RTOL_F32, name="final_state")

@@ -152,7 +152,7 @@ def _noisy_params(f, x):
 def _float64_on_host(f, params, x):
   """The layer's forward in float64 on the host's CPU: the oracle both the
   forward and the decode are held to (independent of the device)."""
-  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+  with testing.float64_on_host():
     to64 = lambda a: jnp.asarray(np.asarray(a), jnp.float64)
     return np.asarray(f.apply(jax.tree.map(to64, params), to64(x)))
 
