@@ -28,11 +28,14 @@ are the steps still owed:
    against all 32 heads a step, and 16 or 8 heads with 128-token chunks
    (the per-head products are 16..64-row matrices; larger ones fill more
    of the MXU): toward the forward target.
-4. `short_t256`: T 256 (B1 H32): `chunked`, our kernels and tokamax's
+4. `split_tails`: the exponent factors with fewer exponentials (267
+   rows of exps a chunk instead of 353, `pallas_batched._factors`) against
+   the default: the default if faster.
+5. `short_t256`: T 256 (B1 H32): `chunked`, our kernels and tokamax's
    (`auto`'s class below T 512).
-5. `float32_t512`: float32 at T 512, `chunked` at "auto" against our
+6. `float32_t512`: float32 at T 512, `chunked` at "auto" against our
    kernels at HIGH (the float32 class below T 1024).
-6. `float32_documents`: float32 rows of 1024-token documents, without and
+7. `float32_documents`: float32 rows of 1024-token documents, without and
    with per-segment states, `chunked` against our kernels at HIGH (float32
    packed segments in the class).
 
@@ -72,6 +75,8 @@ def steps():
       ("grid_shape", big, "bfloat16",
        auto("batched_hb16_fused", "batched_hball_fused",
             "batched_hb16_c128_fused", "batched_hb8_c128_fused"), both, 0),
+      ("split_tails", big, "bfloat16",
+       auto("batched_hb16_fused", "batched_hb16_splittails_fused"), both, 0),
       ("short_t256", (1, 256, 32, 128), "bfloat16",
        auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
       ("float32_t512", (1, 512, 32, 128), "float32", f32[:2], both, 0),
