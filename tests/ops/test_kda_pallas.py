@@ -158,7 +158,7 @@ def _grads_pair(args, cotangent_seed=3, forward=pallas_tpu.kda_forward, **kw):
 
   kernel = lambda *xs: forward(*xs, interpret=True, **kw)
   got = vjp(kernel, args)
-  with jax.enable_x64(True):
+  with testing.float64_on_host():
     a64 = [None if x is None else jnp.asarray(np.asarray(
         jnp.asarray(x, jnp.float32), np.float64)) for x in args]
 

@@ -198,7 +198,7 @@ def _raw_pair(t, *, gated, l2norm, h=2, b=1, init=True, dtype=jnp.float32,
   ds = rng.normal(size=(v.shape[0], h, 128, 128))
   out, back = jax.vjp(ours, *args)
   grads = back((jnp.asarray(do, dtype), jnp.asarray(ds, jnp.float32)))
-  with jax.enable_x64(True):
+  with testing.float64_on_host():
     a64 = [None if a is None else jnp.asarray(np.asarray(
         a.astype(jnp.float32), np.float64)) for a in args]
     out64, back64 = jax.vjp(reference, *a64)
@@ -464,7 +464,7 @@ def _segments_pair(t, seg, *, gated=True, dtype=jnp.float32,
   out, back = jax.vjp(ours, *args)
   out = out if states else (out,)
   grads = (*out, *back(cot))
-  with jax.enable_x64(True):
+  with testing.float64_on_host():
     out64, back64 = jax.vjp(reference, *[
         jnp.asarray(np.asarray(a.astype(jnp.float32), np.float64))
         for a in args])
