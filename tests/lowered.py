@@ -7,6 +7,17 @@ tests read the StableHLO text instead of comparing numbers: every
 element types. A matmul lowered without a precision of its own takes
 `jax.default_matmul_precision`'s, so `pinned` lowers twice under two
 opposite process defaults: a matmul whose precision moves is not pinned.
+
+The program is lowered for a TPU on any host (`lowering_platforms`), the
+text a TPU compiles. The CPU's lowering converts both operands of a mixed
+(float32, bfloat16) dot_general to float32 before it, so there a float32
+activation meeting a bfloat16 weight read as a float32 dot at HIGHEST,
+which "auto" allows; the TPU's keeps the bfloat16 operand, which "auto"
+wants at DEFAULT. (That is how a bfloat16 model whose RoPE returned
+float32 ran its attention's products, its `out` projection and the MLP
+and unembedding after it at HIGHEST on a TPU, unseen on CPU.) Every
+caller's program lowers for the TPU off a TPU, the CSA Pallas kernels in
+interpret mode included (interpret mode lowers to ordinary ops).
 """
 
 import re
@@ -28,10 +39,12 @@ class Matmul(NamedTuple):
 
 
 def matmuls(fn, *args) -> list[Matmul]:
-  """Every dot_general and convolution of `jax.jit(fn).lower(*args)`, in
-  the order of the module's text."""
+  """Every dot_general and convolution of `fn` on `args` lowered for a TPU
+  (module docstring), in the order of the module's text."""
   found = []
-  for line in jax.jit(fn).lower(*args).as_text().splitlines():
+  traced = jax.jit(fn).trace(*args)
+  text = traced.lower(lowering_platforms=("tpu",)).as_text()
+  for line in text.splitlines():
     for op, pattern in (("dot_general", _DOT), ("convolution", _CONV)):
       if f"stablehlo.{op}" not in line:
         continue

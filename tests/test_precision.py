@@ -1,11 +1,12 @@
 """Every matmul of every module runs at its module's precision.
 
 A CPU multiplies float32 exactly at any precision, so these tests read the
-lowered program (`tests/lowered.py`): every `dot_general` and `convolution`
-of the model's forward and backward, of the attention layer, the CSA
-indexer op (each backend) and module, and of the short convolution. Each
-must keep its precision under two opposite process defaults (it is pinned),
-and at "auto":
+program lowered for a TPU on any host (`tests/lowered.py`; the CPU's
+lowering hides a mixed-dtype dot behind converts): every `dot_general` and
+`convolution` of the model's forward and backward, of the attention layer,
+the CSA indexer op (each backend) and module, and of the short
+convolution. Each must keep its precision under two opposite process
+defaults (it is pinned), and at "auto":
 
 * float32 compute: every matmul HIGHEST;
 * bfloat16 compute: every matmul with a bfloat16 operand DEFAULT (one
@@ -136,8 +137,13 @@ def test_the_attention_layer_takes_its_precision(name, want):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attend_is_jaxs_dot_product_attention(dtype, mask):
   """The same numbers as `jax.nn.dot_product_attention` (which the layer
-  used before it pinned its precision); on CPU the precision changes
-  nothing, so the forward is equal bit for bit."""
+  used before it pinned its precision), bit for bit on any platform.
+
+  jax's takes no precision: it multiplies at the process default, one
+  bfloat16 pass for float32 on a TPU, where ours is pinned HIGHEST at
+  "auto". So jax's is jitted inside `jax.default_matmul_precision` of our
+  precision's name ("highest" for float32, "default" for bfloat16).
+  """
   dtype = jnp.dtype(dtype)
   q, k, v = (jax.random.normal(jax.random.key(i), (2, 9, 3, 8), dtype)
              for i in range(3))
@@ -149,12 +155,14 @@ def test_attend_is_jaxs_dot_product_attention(dtype, mask):
   ours = lambda q, k, v: attention.attend(q, k, v, m, prec)
   jaxs = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, mask=m, implementation="xla")
+  grad = lambda f: jax.jit(jax.grad(
+      lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))
+  with jax.default_matmul_precision(prec.name.lower()):
+    want, want_grads = jax.jit(jaxs)(q, k, v), grad(jaxs)(q, k, v)
   np.testing.assert_array_equal(np.asarray(jax.jit(ours)(q, k, v), float),
-                                np.asarray(jax.jit(jaxs)(q, k, v), float))
+                                np.asarray(want, float))
   if dtype == jnp.float32:  # gradients: the same sums, up to their order
-    grad = lambda f: jax.jit(jax.grad(
-        lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))(q, k, v)
-    for a, b in zip(grad(ours), grad(jaxs)):
+    for a, b in zip(grad(ours)(q, k, v), want_grads):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 

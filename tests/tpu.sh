@@ -39,7 +39,8 @@ paths() {
       tests/ops/test_kda_regressions.py tests/ops/test_kda_bad_values.py ;;
     ops_csa) echo tests/ops/test_csa.py tests/ops/test_short_conv.py \
       tests/modules/test_csa_indexer.py tests/modules/test_short_conv.py ;;
-    modules) echo tests/modules/test_kda.py tests/test_*.py ;;
+    modules) echo tests/modules/test_kda.py tests/modules/test_attention.py \
+      tests/test_*.py ;;
     parallel) echo tests/parallel ;;
     experiments_a) echo tests/experiments/test_export_tpu.py \
       tests/experiments/test_faults.py tests/experiments/test_generation.py \

@@ -96,7 +96,14 @@ def init_attention_cache(batch_size: int, *, num_heads: int, head_dim: int,
 
 
 def rope(x: jax.Array, base: float, offset=0) -> jax.Array:
-  """Rotary embedding on [B, T, H, Dh] at positions offset, offset + 1, ..."""
+  """Rotary embedding on [B, T, H, Dh] at positions offset, offset + 1, ...
+
+  The angles in float32, the rotation in float32 (x's dtype if wider), the
+  result in x's dtype: a bfloat16 q or k stays bfloat16. (Returned in
+  float32, it made a bfloat16 model's attention, `out` projection and the
+  residual stream after it float32 against bfloat16 weights: mixed
+  (float32, bfloat16) dots, at HIGHEST, in the TPU's lowering.)
+  """
   _, t, _, dh = x.shape
   half = dh // 2
   freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -105,7 +112,8 @@ def rope(x: jax.Array, base: float, offset=0) -> jax.Array:
   cos = jnp.cos(angles)[None, :, None, :]
   sin = jnp.sin(angles)[None, :, None, :]
   x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+  return rotated.astype(x.dtype)
 
 
 @dataclasses.dataclass

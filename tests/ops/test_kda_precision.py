@@ -1,8 +1,8 @@
 """The op pins its matmul precision, whatever the process default says.
 
 A CPU computes float32 products exactly at any precision, so these tests read
-the precision every matmul is lowered with (`tests/lowered.py`), forward and
-backward, instead of comparing numbers;
+the precision every matmul is lowered with for a TPU (`tests/lowered.py`),
+forward and backward, instead of comparing numbers;
 the numbers at the default precision are checked against float64 on whatever
 device runs the suite by tests/ops/test_kda_device_accuracy.py (on a TPU with
 `make test-tpu`).
