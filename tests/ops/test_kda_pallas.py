@@ -1,4 +1,9 @@
-"""Our Pallas TPU KDA kernels (`ops/kda/pallas_tpu.py`), in interpret mode.
+"""Our Pallas TPU KDA kernels (`ops/kda/pallas_tpu.py`).
+
+Off a TPU in Pallas interpret mode; on a TPU the compiled kernel runs
+(`INTERPRET`, `testing.pallas_interpret`: interpret mode there runs the
+kernel's body as XLA ops at the chip's default precision), and the float64
+oracles run on the host CPU.
 
 Outputs and final states against the float64 NumPy recurrence, gradients
 (the backward kernel) against the `reference` op in float64
@@ -34,6 +39,9 @@ RTOL_F32 = 1e-5
 # measured 1.7e-3 (HIGHEST) and 3.8e-3 (DEFAULT); the state stays float32.
 RTOL_BF16_OUT = 6e-3
 RTOL_BF16_STATE = {"highest": 1e-6, "default": 6e-3}  # measured 5e-8, 2.7e-3
+# interpret= of every kernel call here and in test_kda_pallas_batched.py:
+# interpret mode off a TPU, the compiled kernel on one.
+INTERPRET = testing.pallas_interpret()
 
 
 def prepared(t, *, h=2, kd=128, vd=128, seed=0, g=(-5.0, 0.0), beta=None,
@@ -61,7 +69,7 @@ def oracle(q, k, v, g, beta, s0):
 
 def run(args, **kw):
   kw.setdefault("precision", ACCURATE)
-  o, state = pallas_tpu.kda_forward(*args, interpret=True, **kw)
+  o, state = pallas_tpu.kda_forward(*args, interpret=INTERPRET, **kw)
   assert state.dtype == jnp.float32 and o.dtype == args[0].dtype
   return o, state
 
@@ -119,7 +127,7 @@ def test_on_the_ops_prepared_inputs_under_jit():
                         max_num_segments=None, **gate)
     return pallas_tpu.kda_forward(cn.q, cn.k, cn.v, cn.g, cn.beta, init,
                                   precision=ACCURATE, lower_bound=-5.0,
-                                  interpret=True)
+                                  interpret=INTERPRET)
 
   o, state = f(*raw.values(), init)
   o_ref, s_ref = kda_numpy(*raw.values(), scale=scale, lower_bound=-5.0,
@@ -156,7 +164,7 @@ def _grads_pair(args, cotangent_seed=3, forward=pallas_tpu.kda_forward, **kw):
     return out, back((jnp.asarray(do, out[0].dtype),
                       jnp.asarray(ds, out[1].dtype)))
 
-  kernel = lambda *xs: forward(*xs, interpret=True, **kw)
+  kernel = lambda *xs: forward(*xs, interpret=INTERPRET, **kw)
   got = vjp(kernel, args)
   with testing.float64_on_host():
     a64 = [None if x is None else jnp.asarray(np.asarray(
@@ -303,7 +311,7 @@ def test_backward_exports_to_mosaic_for_tpu(chip):
 def test_limits_raise():
   q, k, v, g, beta, s0 = prepared(64)
   call = lambda *a, **kw: pallas_tpu.kda_forward(
-      *a, **{"precision": ACCURATE, "interpret": True, **kw})
+      *a, **{"precision": ACCURATE, "interpret": INTERPRET, **kw})
   args = (q, k, v, g, beta, s0)
   if jax.default_backend() != "tpu":
     with pytest.raises(NotImplementedError, match="interpret=True"):
