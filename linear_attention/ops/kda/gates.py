@@ -16,12 +16,43 @@ layer's gate inputs), which alone took the op's float32 output from 2.5e-6
 to 1.6e-5 of a float64 recurrence under this gate. `softplus` below reads
 log1p through its atanh series with only multiplies, adds and one divide
 (5.0e-6 worst, 1.3e-6 average on that chip, most of it `exp`'s).
+
+For the same reason float32 `exp` here is not the platform's either. On
+that chip (libtpu 0.0.50.1, JAX 0.12.0.1; `benchmarks/elementwise_accuracy.py`,
+float64 NumPy as the truth) float32 `jnp.exp` is off by up to 59 ulp on
+[-5, 0] and leans low: a mean signed relative error of -8.0e-7 there and
+-1.35e-6 on [-1e-3, 0], so a running product of n exps, which is what the
+token recurrence and a layer's decode apply to the state, is off by about
+n x 1.35e-6 (-8.6e-5 at n = 64, -5.5e-3 at 4096). `exp` below is Cody-Waite
+reduction, a degree-7 polynomial and an exact power of two; on a CPU it
+measures 0.80 ulp at most and a mean signed relative error of 7.3e-10 on
+[-5, 0], 0.50 ulp and -1.2e-12 on [-1e-3, 0] (`jnp.exp` there: 0.89 ulp,
+4.7e-10). It has not yet been measured on a TPU: the `gates_exp` rows of
+`benchmarks/elementwise_accuracy.py` do that. `softplus` and the rate
+exp(a_log) of `kda_log_decay` use it.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 L2_NORM_EPS = 1e-6
+
+# exp's Cody-Waite split of ln 2 (fdlibm's expf): _LN2_HI = 0x3f317200 ends
+# in nine zero bits, so k * _LN2_HI is exact for |k| <= 2^9 (here <= 128).
+_LN2_HI = 0.693145751953125
+_LN2_LO = 1.428606765330187e-06  # ln 2 - _LN2_HI, to float32
+_INV_LN2 = 1.4426950408889634
+# 1/7!, 1/6!, ..., 1/0!: exp(r) by Taylor to r^7, Horner. |r| <= ln2 / 2, so
+# the terms left out sum to at most 7.0e-9 of exp(r) (0.08 ulp, at r =
+# -ln2 / 2; float64 NumPy).
+_EXP_SERIES = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))
+# The float32 range of x with a normal, finite exp(x): 0xc2aeac4f, the
+# least float32 >= ln(2^-126) (the smallest normal), and 0x42b17217, the
+# largest <= ln(float32 max).
+_EXP_LOW = -87.33654
+_EXP_HIGH = 88.72283
 
 
 def l2_normalize(x: jax.Array, eps: float = L2_NORM_EPS,
@@ -50,6 +81,62 @@ def _log1p_unit(u: jax.Array) -> jax.Array:
   return 2.0 * s * p
 
 
+def _pow2(k: jax.Array) -> jax.Array:
+  """2.0^k, exactly, for int32 k in [-126, 127]: the float32 bits of it."""
+  return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+
+@jax.custom_jvp
+def exp(x: jax.Array) -> jax.Array:
+  """e^x in float32 by multiplies, adds and exact powers of two alone.
+
+  Cody-Waite range reduction: k = round(x / ln 2), r = (x - k ln2_hi) -
+  k ln2_lo (k ln2_hi exact, so r is within float32 rounding of x - k ln 2,
+  |r| <= ln 2 / 2); exp(r) by its Taylor polynomial to r^7 (Horner); then
+  times 2^k, built from its bits as 2^(k // 2) 2^(k - k // 2) so that k =
+  128 stays in range: both products are exact.
+
+  Why: the token recurrence multiplies its state by one exp a token, so a
+  bias in exp adds up. On a TPU v5e (libtpu 0.0.50.1, JAX 0.12.0.1,
+  `benchmarks/elementwise_accuracy.py`) float32 `jnp.exp` is off by up to 59
+  ulp on [-5, 0], with a mean signed relative error of -8.0e-7 there and
+  -1.35e-6 on [-1e-3, 0]: a running product of n of them is off by about
+  n x 1.35e-6 (-8.6e-5 at 64, -5.5e-3 at 4096). This function, on a CPU
+  against NumPy float64 over 2^20 points (`tests/ops/test_kda_gates.py`):
+  0.80 ulp at most and a mean signed relative error of 7.3e-10 on [-5, 0],
+  0.50 ulp and -1.2e-12 on [-1e-3, 0], 0.93 ulp on [-87, 0] and 0.89 ulp
+  on [0, 88] (`jnp.exp` on the same CPU: 0.89, 0.50, 1.00 and 0.98 ulp).
+
+  Limits: exp(0) = 1 exactly; x below ln(2^-126) = -87.3365 (a result under
+  the smallest normal float32: a denormal, which TPUs flush to zero) and
+  -inf give 0; x above ln(float32 max) = 88.7228 and inf give inf; NaN gives
+  NaN. Callers pass log decays and -|x| (x <= 0) and a_log (either sign).
+
+  Any dtype but float32 takes `jnp.exp` (float64 for the float64 paths).
+  The derivative is exp(x) dx, by this function.
+  """
+  if x.dtype != jnp.float32:
+    return jnp.exp(x)
+  xc = jnp.clip(x, _EXP_LOW, _EXP_HIGH)
+  k = jnp.round(xc * _INV_LN2)
+  r = (xc - k * _LN2_HI) - k * _LN2_LO
+  p = jnp.full_like(r, _EXP_SERIES[0])
+  for c in _EXP_SERIES[1:]:
+    p = p * r + c
+  k = k.astype(jnp.int32)
+  half = k >> 1  # floor(k / 2): both halves in [-63, 64]
+  y = p * _pow2(half) * _pow2(k - half)
+  y = jnp.where(x < _EXP_LOW, 0.0, y)
+  return jnp.where(x > _EXP_HIGH, jnp.inf, y)
+
+
+@exp.defjvp
+def _exp_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  y = exp(x)
+  return y, y * dx
+
+
 @jax.custom_jvp
 def softplus(x: jax.Array) -> jax.Array:
   """log(1 + exp(x)): max(x, 0) + log1p(exp(-|x|)), its log1p by series.
@@ -59,7 +146,7 @@ def softplus(x: jax.Array) -> jax.Array:
   """
   if x.dtype == jnp.float64:
     return jax.nn.softplus(x)
-  return jnp.maximum(x, 0.0) + _log1p_unit(jnp.exp(-jnp.abs(x)))
+  return jnp.maximum(x, 0.0) + _log1p_unit(exp(-jnp.abs(x)))
 
 
 @softplus.defjvp
@@ -91,7 +178,7 @@ def kda_log_decay(
   x = jnp.asarray(g_raw, dtype)
   if dt_bias is not None:
     x = x + jnp.asarray(dt_bias, dtype).reshape(h, k)
-  rate = jnp.exp(jnp.asarray(a_log, dtype))[:, None]  # [H, 1]
+  rate = exp(jnp.asarray(a_log, dtype))[:, None]  # [H, 1]
   if lower_bound is None:
     return -rate * softplus(x)
   return lower_bound * jax.nn.sigmoid(rate * x)

@@ -17,6 +17,20 @@ One `lax.scan` over tokens, batched over B and H. Segments (packed documents)
 follow `common`'s rules: a new run loads its segment's initial state, padding
 is a no-op with zero output. Accumulation is float32.
 
+alpha_t is `gates.exp(g_t)`, not the platform's `jnp.exp`: the state is
+multiplied by one exp a token, so a bias in exp adds up over tokens. On a
+TPU v5e (libtpu 0.0.50.1, JAX 0.12.0.1; `benchmarks/elementwise_accuracy.py`)
+float32 `jnp.exp` has a mean signed relative error of -1.35e-6 on [-1e-3, 0]
+(-8.0e-7 on [-5, 0], 59 ulp at most there), so a running product of n of
+them is off by about n x 1.35e-6 (-8.6e-5 at n = 64, -5.5e-3 at 4096). With
+it this recurrence was 1.1e-5 (output) and 2.2e-5 (state) from a float64
+recurrence at T = 64 on that chip, where `chunked` (one exp of a sum a chunk)
+was 2.9e-6, and a layer's token-by-token decode (this backend) drifted
+2.2e-5 from its full forward over 1000 tokens; on a CPU all of these are
+within 3e-7. `gates.exp` is multiplies and adds with an exact power of two:
+on a CPU 0.80 ulp at most and a mean signed relative error of 7.3e-10 on
+[-5, 0] (-1.2e-12 on [-1e-3, 0]).
+
 Backend "reference": runs every call on every device (`supports` is always
 None); under a context axis and for chunk-boundary states through
 `context_parallel.run`.
@@ -30,6 +44,7 @@ import jax.numpy as jnp
 from linear_attention.ops import backends
 from linear_attention.ops.kda import common
 from linear_attention.ops.kda import context_parallel
+from linear_attention.ops.kda import gates
 from linear_attention.ops.kda import precision as precision_lib
 
 NAME = "reference"
@@ -71,7 +86,7 @@ def kda_reference(
     starts = valid & (seg != last_seg)
     s = jnp.where(starts[:, None, None, None],
                   c.initial_state[rows, jnp.maximum(seg - 1, 0)], state)
-    s = jnp.exp(g_t)[..., None] * s  # decay
+    s = gates.exp(g_t)[..., None] * s  # decay, no platform exp
     pred = mm("bhk,bhkv->bhv", k_t, s)  # what the memory predicts
     s = s + mm("bhk,bhv->bhkv", k_t, beta_t[..., None] * (v_t - pred))
     o_t = mm("bhk,bhkv->bhv", q_t, s)
