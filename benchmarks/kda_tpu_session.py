@@ -12,32 +12,22 @@ cut short keeps what it measured, and a profile that would start with less
 than `--reserve_s` of the budget left is skipped and marked so. The traces
 go to `--trace_dir` (a temporary folder by default), not to DIR.
 
-Steps (docs/kernel.md, "Next"; bfloat16 and B1 T8192 H32 K128 unless
-named). The sessions before decided the fused backward, float32's three
-passes, and `auto`'s class on a v5e (`kda_tpu_session_v5e.json`,
-`kda_tpu_session_decisions_v5e.json`,
-`kda_tpu_session_segment_states_v5e.json` in benchmarks/results); these
-are the steps still owed:
+Steps (docs/kernel.md, "Next"; bfloat16 and B1 H32 K128 unless named).
+The sessions before decided the fused backward, float32's three passes,
+`auto`'s class on a v5e, the strided forward for calls that are not
+differentiated, the grid step's shape and the exponent factors
+(`kda_tpu_session_v5e.json`, `kda_tpu_session_decisions_v5e.json`,
+`kda_tpu_session_segment_states_v5e.json`,
+`kda_tpu_session_split_grid_classes_v5e.json` in benchmarks/results);
+these are the steps still owed:
 
-1. `split`: the strided forward (2.18 ms against 2.58, but its backward
-   slower: 7.48 ms forward+backward against 6.90) with the unstrided
-   16-heads-a-step backward (`strided_backward=False`), against both:
-   the default if faster.
-2. `split_b8`: the same at B8 T4096 H16.
-3. `grid_shape`: the grid step's shape, 16 heads and 64-token chunks
-   against all 32 heads a step, and 16 or 8 heads with 128-token chunks
-   (the per-head products are 16..64-row matrices; larger ones fill more
-   of the MXU): toward the forward target.
-4. `split_tails`: the exponent factors with fewer exponentials (267
-   rows of exps a chunk instead of 353, `pallas_batched._factors`) against
-   the default: the default if faster.
-5. `short_t256`: T 256 (B1 H32): `chunked`, our kernels and tokamax's
-   (`auto`'s class below T 512).
-6. `float32_t512`: float32 at T 512, `chunked` at "auto" against our
-   kernels at HIGH (the float32 class below T 1024).
-7. `float32_documents`: float32 rows of 1024-token documents, without and
-   with per-segment states, `chunked` against our kernels at HIGH (float32
-   packed segments in the class).
+1. `strided_t2048`, `strided_t1024`: the strided forward against the
+   16-heads-a-step forward at T 2048 and 1024 (timed faster at T 4096 and
+   8192 only, `pallas.STRIDED_PRIMAL`): the strided primal's class.
+2. `short_t128`: T 128, `chunked`, our kernels and tokamax's (`auto`'s
+   bfloat16 class starts at T 256).
+3. `float32_t256`: float32 at T 256, `chunked` at "auto" against our
+   kernels at HIGH (the float32 class starts at T 512).
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
 profile: on a CPU the kernels run in interpret mode, a check of the script,
@@ -61,29 +51,18 @@ from experiments.tools import cli
 
 def steps():
   """[(step, shape, dtype, [(impl, precision)], passes, documents)]."""
-  big, wide = (1, 8192, 32, 128), (8, 4096, 16, 128)
   both = ("fwd", "fwd_bwd")
   auto = lambda *impls: [(i, "auto") for i in impls]
   f32 = [("chunked", "auto"), ("batched_fused", "high"),
          ("batched_fused", "default")]
   return [
-      ("split", big, "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_fused",
-            "batched_strided_hb16bwd_fused"), both, 0),
-      ("split_b8", wide, "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_hb16bwd_fused"), both, 0),
-      ("grid_shape", big, "bfloat16",
-       auto("batched_hb16_fused", "batched_hball_fused",
-            "batched_hb16_c128_fused", "batched_hb8_c128_fused"), both, 0),
-      ("split_tails", big, "bfloat16",
-       auto("batched_hb16_fused", "batched_hb16_splittails_fused"), both, 0),
-      ("short_t256", (1, 256, 32, 128), "bfloat16",
+      ("strided_t2048", (1, 2048, 32, 128), "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
+      ("strided_t1024", (1, 1024, 32, 128), "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
+      ("short_t128", (1, 128, 32, 128), "bfloat16",
        auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
-      ("float32_t512", (1, 512, 32, 128), "float32", f32[:2], both, 0),
-      ("float32_documents", big, "float32",
-       [("chunked", "auto"), ("batched_fused", "high"),
-        ("chunked_states", "auto"), ("batched_fused_states", "high")],
-       both, 1024),
+      ("float32_t256", (1, 256, 32, 128), "float32", f32[:2], both, 0),
   ]
 
 

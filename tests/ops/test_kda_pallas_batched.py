@@ -1,16 +1,21 @@
 """The batched-heads Pallas TPU KDA kernel (`ops/kda/pallas_batched.py`).
 
-In interpret mode on CPU: outputs and final states against the float64
-NumPy recurrence, every gradient (its backward kernel) against the float64
-`reference` op (whose gradients are anchored by float64 finite differences),
-on prepared inputs as in `test_kda_pallas.py` (whose helpers this file
-shares); the export to Mosaic for TPU v5e and v6e; the limits. Measured here
-(CPU, interpret mode, K = V = 128): float32 at HIGHEST 1.9e-7..3.8e-7 on the
-output, gradients 2e-7..5e-7 except dg with every g at -5 (5.8e-6, an
-ill-conditioned case: the first kernel gives 6.6e-6 there). The fused
-backward (`kda(..., fused_backward=True)`, raw inputs) measured 0.9e-7..5.0e-7
-on every gradient (a_log and dt_bias included) in float32, and 1.8e-3..4.4e-3
-with bfloat16 inputs at one pass.
+Off a TPU in Pallas interpret mode; on a TPU the compiled kernel runs
+(`INTERPRET`, `testing.pallas_interpret`: interpret mode on the chip runs
+the kernel's body as XLA ops at its default precision, 2.6e-4..6.6e-4 on
+the float32 outputs on a v5e), and the float64 oracles run on the host
+CPU.
+
+Outputs and final states against the float64 NumPy recurrence, every gradient
+(its backward kernel) against the float64 `reference` op (whose gradients are
+anchored by float64 finite differences), on prepared inputs as in
+`test_kda_pallas.py` (whose helpers this file shares); the export to Mosaic for
+TPU v5e and v6e; the limits. Measured here (CPU, interpret mode, K = V = 128):
+float32 at HIGHEST 1.9e-7..3.8e-7 on the output, gradients 2e-7..5e-7 except dg
+with every g at -5 (5.8e-6, an ill-conditioned case: the first kernel gives
+6.6e-6 there). The fused backward (`kda(..., fused_backward=True)`, raw inputs)
+measured 0.9e-7..5.0e-7 on every gradient (a_log and dt_bias included) in
+float32, and 1.8e-3..4.4e-3 with bfloat16 inputs at one pass.
 """
 
 import jax
@@ -23,15 +28,15 @@ from linear_attention import testing
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda.precision import ACCURATE, FAST, Precisions
-from tests.ops.test_kda_pallas import (RTOL_BF16_OUT, RTOL_F32, _grads_pair,
-                                       oracle, prepared)
+from tests.ops.test_kda_pallas import (INTERPRET, RTOL_BF16_OUT, RTOL_F32,
+                                       _grads_pair, oracle, prepared)
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
 
 
 def run(args, **kw):
   kw.setdefault("precision", ACCURATE)
-  o, state = pallas_batched.kda_forward(*args, interpret=True, **kw)
+  o, state = pallas_batched.kda_forward(*args, interpret=INTERPRET, **kw)
   assert state.dtype == jnp.float32 and o.dtype == args[0].dtype
   return o, state
 
@@ -184,7 +189,7 @@ def _raw_pair(t, *, gated, l2norm, h=2, b=1, init=True, dtype=jnp.float32,
   def ours(q, k, v, g, beta, s0, a_log, dt_bias):
     return pallas_batched.kda(q, k, v, g, beta, s0, a_log=a_log,
                               dt_bias=dt_bias, precision=precision,
-                              interpret=True, **kw, **kernel_kw)
+                              interpret=INTERPRET, **kw, **kernel_kw)
 
   def reference(q, k, v, g, beta, s0, a_log, dt_bias):
     return ops.kimi_delta_attention(
@@ -360,11 +365,59 @@ def test_a_strided_forward_hands_its_backward_to_unstrided_blocks():
         q, k, v, g, beta, s0, scale=1.0, a_log=a_log, dt_bias=dt_bias,
         lower_bound=-5.0, use_gate_in_kernel=True, precision=ACCURATE,
         heads_per_block=2, strided=True, strided_backward=False,
-        interpret=True)
+        interpret=INTERPRET)
     return jnp.sum(o) + jnp.sum(s)
 
   assert _pallas_grids(jax.make_jaxpr(jax.grad(loss))(q).jaxpr) == [
       (1, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_strided_primal_runs_the_strided_forward_only_undifferentiated(dtype):
+  # `strided_primal`: a call that is not differentiated runs one grid row
+  # (all 4 heads a step, strided); under a gradient the forward and the
+  # backward run two (2 heads a step). Both outputs against the float64
+  # reference op at the bounds above, and the differentiated call's
+  # gradients too.
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(100, h=4, seed=100,
+                                                       dtype=dtype)
+  f32 = dtype == jnp.float32
+
+  def run(q, k, v, g, beta, s0, a_log, dt_bias):
+    return pallas_batched.kda(
+        q, k, v, g, beta, s0, scale=128 ** -0.5, a_log=a_log,
+        dt_bias=dt_bias, lower_bound=-5.0, use_gate_in_kernel=True,
+        use_qk_l2norm=True, precision=ACCURATE if f32 else FAST,
+        heads_per_block=2, strided_primal=True, interpret=INTERPRET)
+
+  args = (q, k, v, g, beta, s0, a_log, dt_bias)
+  loss = lambda *a: jnp.sum(run(*a)[0].astype(jnp.float32))
+  assert _pallas_grids(jax.make_jaxpr(run)(*args).jaxpr) == [(1, 2)]
+  assert _pallas_grids(jax.make_jaxpr(jax.grad(loss))(*args).jaxpr) == [
+      (2, 2), (2, 2)]
+  (out, grads), (out64, grads64) = _raw_pair(
+      100, gated=True, l2norm=True, h=4, dtype=dtype,
+      precision=ACCURATE if f32 else FAST, heads_per_block=2,
+      strided_primal=True)
+  primal = jax.jit(run)(*args)
+  for name, x, y, w in zip(("output", "final_state"), primal, out, out64):
+    for value in (x, y):  # undifferentiated, differentiated
+      testing.assert_close(value, np.asarray(w),
+                           rtol=RTOL_F32 if f32 else RTOL_BF16_OUT, name=name)
+  for name, x, w in zip(RAW_NAMES, grads, grads64):
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32 if f32 else 8e-3,
+                         name=name)
+
+
+def test_strided_primal_takes_no_packed_segments():
+  (q, k, v, g, beta, _), a_log, dt_bias = _raw_inputs(64, h=4)
+  ids = jnp.ones((1, 64), jnp.int32)
+  with pytest.raises(NotImplementedError, match="strided_primal"):
+    pallas_batched.kda(q, k, v, g, beta, None, scale=1.0, a_log=a_log,
+                       dt_bias=dt_bias, lower_bound=-5.0,
+                       use_gate_in_kernel=True, precision=ACCURATE,
+                       strided_primal=True, segment_ids=ids,
+                       interpret=INTERPRET)
 
 
 def test_an_unstrided_backward_only_in_the_fused_form():
@@ -374,7 +427,7 @@ def test_an_unstrided_backward_only_in_the_fused_form():
                        dt_bias=dt_bias, lower_bound=-5.0,
                        use_gate_in_kernel=True, precision=ACCURATE,
                        strided=True, strided_backward=False,
-                       fused_backward=False, interpret=True)
+                       fused_backward=False, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("strided", [False, True])
@@ -402,7 +455,7 @@ def test_fused_preparation_refuses_the_softplus_gate():
   with pytest.raises(NotImplementedError, match="lower-bound gate"):
     pallas_batched.kda(q, k, v, g, beta, s0, scale=1.0, a_log=a_log,
                        dt_bias=dt_bias, use_gate_in_kernel=True,
-                       precision=ACCURATE, interpret=True)
+                       precision=ACCURATE, interpret=INTERPRET)
 
 
 def _segment_layouts(t):
@@ -443,7 +496,7 @@ def _segments_pair(t, seg, *, gated=True, dtype=jnp.float32,
     o, final = pallas_batched.kda(
         *args[:5], args[7] if states else None, a_log=args[5],
         dt_bias=args[6], segment_ids=ids, precision=precision,
-        interpret=True, **kw, **kernel_kw, **per_segment)
+        interpret=INTERPRET, **kw, **kernel_kw, **per_segment)
     assert (final is None) != states
     return (o, final) if states else o
 
@@ -567,7 +620,7 @@ def test_more_runs_than_segments_give_nan_not_a_wrong_answer():
       q, k, v, g, beta, scale=128 ** -0.5, a_log=a_log, dt_bias=dt_bias,
       lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
       precision=ACCURATE, segment_ids=jnp.asarray(ids), num_segments=2,
-      interpret=True)
+      interpret=INTERPRET)
   for row in (0, 2):
     assert np.all(np.isnan(o[row])) and np.all(np.isnan(final[row])), row
   assert np.all(np.isfinite(o[1])) and np.all(np.isfinite(final[1]))
@@ -644,7 +697,7 @@ def test_packed_segments_drop_whatever_padding_holds():
         q, k, v, g, beta, scale=128 ** -0.5, a_log=a, dt_bias=d,
         lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
         precision=ACCURATE, segment_ids=jnp.asarray(ids), fused_backward=True,
-        interpret=True)[0], v, beta, a_log, dt_bias)
+        interpret=INTERPRET)[0], v, beta, a_log, dt_bias)
     return (o, *back(jnp.ones_like(o)))
 
   clean, dirty = run(q, k, v, g), run(bad(q), bad(k), bad(v), bad(g))
@@ -656,7 +709,7 @@ def test_packed_segments_drop_whatever_padding_holds():
 def test_packed_segments_limits():
   (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(64)
   kw = dict(scale=1.0, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
-            use_gate_in_kernel=True, precision=ACCURATE, interpret=True)
+            use_gate_in_kernel=True, precision=ACCURATE, interpret=INTERPRET)
   ids = jnp.ones((1, 64), jnp.int32)
   with pytest.raises(ValueError, match="num_segments N"):  # [B, H, K, V]
     pallas_batched.kda(q, k, v, g, beta, s0, segment_ids=ids, **kw)

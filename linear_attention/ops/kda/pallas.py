@@ -33,23 +33,34 @@ than every other backend on a chip (`auto_declines`, `AUTO_CLASS`;
 docs/kernel.md and the `kda_tpu_session*_v5e.json` files in
 benchmarks/results): a TPU v5e, precision "auto", K = V = 128, 64-token
 chunks, the q/k L2 norm, no context axis and no chunk-boundary states, and
-  * bfloat16 with H a multiple of 16 and T >= 512, packed segments with or
-    without per-segment states (max_num_segments x 63 <= T / 8: the
-    realigned layout's extra grid at most an eighth), or none;
-  * float32 with H a multiple of 8 and T >= 1024, without packed segments.
+  * bfloat16 with H a multiple of 16 and T >= 256,
+  * float32 with H a multiple of 8 and T >= 512,
+  each with packed segments, with or without per-segment states
+  (max_num_segments x 63 <= T / 8: the realigned layout's extra grid at
+  most an eighth), or none.
 There, in device time forward and forward+backward, bfloat16: B1 T8192 H32
 2.6 and 6.9 ms (the chunked backend 5.8 and 26.9; tokamax's kernel 4.0 and
 12.1), B8 T4096 H16 5.4 and 14.0 ms (tokamax 8.6 and 27.2), B1 T1024 H32
 0.28 and 0.83 ms (chunked 0.73 and 2.79, tokamax 0.43 and 1.39), B1 T512
 H32 0.14 and 0.42 ms (chunked 0.37 and 1.37, tokamax 0.22 and 0.72), B1
-T8192 H32 packed with 1024-token documents 2.7 and 7.2 ms (chunked 10.7 and
-39.1), and with their per-segment states 5.7 and 14.8 ms (chunked 52.1 and
-118.9); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and 47.7),
-T1024 0.66 and 1.86 ms (chunked 1.46 and 5.31). Elsewhere (T below those,
-H not a multiple, float32 with packed segments, a context axis,
-chunk-boundary states, other chips) it has not been timed against the
-others, so "auto" passes over it; `backend="pallas"` runs it wherever
-`supports` allows.
+T256 H32 0.08 and 0.21 ms (chunked 0.18 and 0.70, tokamax 0.11 and 0.35),
+B1 T8192 H32 packed with 1024-token documents 2.7 and 7.2 ms (chunked 10.7
+and 39.1), and with their per-segment states 5.7 and 14.8 ms (chunked 52.1
+and 118.9); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and
+47.7), T1024 0.66 and 1.86 ms (chunked 1.46 and 5.31), T512 0.33 and 0.91
+ms (chunked 0.71 and 2.51), T8192 packed with 1024-token documents 6.4 and
+16.1 ms (chunked 16.9 and 62.8), with their per-segment states 11.7 and
+30.6 ms (chunked 60.8 and 138.3). Elsewhere (T below those, H not a
+multiple, a context axis, chunk-boundary states, other chips) it has not
+been timed against the others, so "auto" passes over it;
+`backend="pallas"` runs it wherever `supports` allows.
+
+A bfloat16 call that is not differentiated runs the strided forward (all
+heads a grid step, no relayout around the kernel; `STRIDED_PRIMAL`) where
+it was timed faster, and a differentiated one the 16-heads-a-step forward
+and backward: at B1 T8192 H32 the strided forward takes 2.18 ms of device
+time against 2.58, but with its own backward 7.49 ms against 6.90 (7.26
+with the 16-heads backward after it); at B8 T4096 H16 4.11 against 5.37.
 
 float32 inputs at precision "auto" run every group at HIGH (three bfloat16
 passes, `FLOAT32_AUTO`), not HIGHEST (six): within the op's float32 bounds
@@ -92,16 +103,22 @@ AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
 # H enters only as grid rows of that step shape, so any multiple is taken
 # (bfloat16 timed at H16 and H32, float32 at H32).
 AUTO_CLASS = {
-    # T 512, 1024, 2048, 4096 and 8192; 1024-token documents at T 8192.
-    "bfloat16": dict(heads=16, min_t=512, segments=True),
-    # T 1024 and 8192, at HIGH (FLOAT32_AUTO).
-    "float32": dict(heads=8, min_t=1024, segments=False),
+    # T 256, 512, 1024, 2048, 4096 and 8192; 1024-token documents at T 8192.
+    "bfloat16": dict(heads=16, min_t=256, segments=True),
+    # T 512, 1024 and 8192, 1024-token documents at T 8192, at HIGH
+    # (FLOAT32_AUTO).
+    "float32": dict(heads=8, min_t=512, segments=True),
 }
 # Per-segment states lay every run out from a chunk edge, which adds up to
 # N (C - 1) tokens to the grid: timed at N = 8 and T 8192 (504 tokens, a
 # sixteenth), so the class takes N (C - 1) <= T / 8.
 AUTO_MAX_STATES_GROWTH = 8
 AUTO_HEADS_PER_BLOCK = AUTO_CLASS["bfloat16"]["heads"]  # 16 beat 8 (bf16)
+# Where a call that is not differentiated runs the strided forward (the
+# module docstring; `kda_tpu_session_split_grid_classes_v5e.json`): timed
+# at B1 T8192 H32 and B8 T4096 H16, so H 16 or 32 (all heads a step is
+# VMEM), T from 4096, bfloat16, K = V = 128, no packed segments.
+STRIDED_PRIMAL = dict(dtype="bfloat16", heads=(16, 32), min_t=4096)
 # float32 at precision "auto" (the module docstring).
 FLOAT32_AUTO = precision_lib.Precisions.every(Precision.HIGH)
 
@@ -195,6 +212,18 @@ def heads_per_block(call: common.Call) -> int | None:
   return None
 
 
+def strided_primal(call: common.Call) -> bool:
+  """Whether a call that is not differentiated runs the strided forward
+  (`STRIDED_PRIMAL`; on any TPU, an explicit `backend="pallas"` included,
+  as `heads_per_block`)."""
+  _, t, h, kd = call.q.shape
+  return (call.q.dtype.name == STRIDED_PRIMAL["dtype"]
+          and h in STRIDED_PRIMAL["heads"] and t >= STRIDED_PRIMAL["min_t"]
+          and kd == LANES and call.v.shape[-1] == LANES
+          and call.segment_ids is None
+          and (call.chunk_size or DEFAULT_CHUNK) == DEFAULT_CHUNK)
+
+
 def precisions(call: common.Call) -> precision_lib.Precisions:
   """The kernels' precision per group: the op's rule, but `FLOAT32_AUTO`
   for float32 inputs at "auto" (see the module docstring)."""
@@ -236,7 +265,8 @@ def _run_one(call: common.Call):
         use_qk_l2norm=call.use_qk_l2norm,
         precision=precisions(call),
         chunk=call.chunk_size or DEFAULT_CHUNK,
-        heads_per_block=heads_per_block(call), segment_ids=call.segment_ids,
+        heads_per_block=heads_per_block(call),
+        strided_primal=strided_primal(call), segment_ids=call.segment_ids,
         num_segments=n, interpret=call.target.off_tpu_mode == "interpret")
 
   if not states:

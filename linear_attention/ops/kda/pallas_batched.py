@@ -128,6 +128,11 @@ class Config:
   # (`_backward_config`). The chunk states the forward saves are [B*H, n,
   # K, V] in either layout, so either backward takes them.
   backward_heads_per_block: int | None = None
+  # The configuration a call that is not differentiated runs (the custom
+  # VJP's primal; `kda(..., strided_primal=True)`: the strided forward, all
+  # heads a step), or None: this one. A differentiated call runs this one
+  # forward and backward.
+  primal: "Config | None" = None
   # `_factors`' form with fewer exponentials (exp of each in-block tail once
   # a row, times one exponential row per block pair); off until timed.
   split_tails: bool = False
@@ -955,8 +960,8 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
         use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
         heads_per_block=None, strided=False, strided_backward=None,
-        fused_backward=True, segment_ids=None, num_segments=None,
-        split_tails=False, interpret=False):
+        strided_primal=False, fused_backward=True, segment_ids=None,
+        num_segments=None, split_tails=False, interpret=False):
   """The KDA forward on the op's raw inputs, preparation inside the kernel.
 
   q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -986,7 +991,11 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   `strided` reads and writes the op's layout as rows, all H heads a step
   (`Config.strided`); `strided_backward` (None: as `strided`) False with
   it runs the fused backward on unstrided blocks of `heads_per_block`
-  heads (None: the default) instead.
+  heads (None: the default) instead. `strided_primal` (without `strided`
+  and packed segments): a call that is not differentiated runs the strided
+  forward, a differentiated one the unstrided forward and backward of
+  `heads_per_block` heads (on a v5e the strided forward is the faster
+  forward, the unstrided pair the faster forward+backward; docs/kernel.md).
   `split_tails`: the exponent factors with fewer exponentials
   (`_factors`), forward and backward.
 
@@ -1034,6 +1043,15 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
                  _heads_per_block(h, heads_per_block) if split else None),
              split_tails=bool(split_tails),
              segmented=segment_ids is not None, run_states=run_states)
+  if strided_primal:
+    if strided or segment_ids is not None:
+      raise NotImplementedError(
+          "pallas_batched's strided_primal runs the strided forward for"
+          " calls that are not differentiated: it takes no packed segments"
+          " (strided reads have none) and is not for strided=True; got"
+          f" strided={strided}, packed segments: {segment_ids is not None}.")
+    t = dataclasses.replace(t, primal=dataclasses.replace(
+        t, strided=True, heads_per_block=_heads_per_block(h, None, True)))
   if not gated:
     a_log = dt_bias = None
   if run_states:
@@ -1207,8 +1225,8 @@ def _prepared(t: Config, q, k, g, a_log, dt_bias):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda_raw(t: Config, q, k, v, g, beta, initial_state, a_log, dt_bias,
              segment_ids):
-  return _forward(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
-                  segment_ids)
+  return _forward(t.primal or t, q, k, v, g, beta, initial_state, a_log,
+                  dt_bias, segment_ids)
 
 
 def _kda_raw_fwd(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
