@@ -21,12 +21,17 @@ differentiated, the grid step's shape and the exponent factors
 `kda_tpu_session_split_grid_classes_v5e.json` in benchmarks/results);
 these are the steps still owed:
 
-1. `strided_t2048`, `strided_t1024`: the strided forward against the
+1. `strided_rows`, `strided_rows_b8`: the strided forward, whose 16-bit
+   output now goes through a float32 scratch in the kernel (before: float32
+   rows through HBM and a cast after, 0.31 ms of the 2.18 at B1 T8192
+   H32), against the 16-heads-a-step forward at B1 T8192 H32 and B8 T4096
+   H16: toward the forward target.
+2. `strided_t2048`, `strided_t1024`: the strided forward against the
    16-heads-a-step forward at T 2048 and 1024 (timed faster at T 4096 and
    8192 only, `pallas.STRIDED_PRIMAL`): the strided primal's class.
-2. `short_t128`: T 128, `chunked`, our kernels and tokamax's (`auto`'s
+3. `short_t128`: T 128, `chunked`, our kernels and tokamax's (`auto`'s
    bfloat16 class starts at T 256).
-3. `float32_t256`: float32 at T 256, `chunked` at "auto" against our
+4. `float32_t256`: float32 at T 256, `chunked` at "auto" against our
    kernels at HIGH (the float32 class starts at T 512).
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
@@ -56,6 +61,10 @@ def steps():
   f32 = [("chunked", "auto"), ("batched_fused", "high"),
          ("batched_fused", "default")]
   return [
+      ("strided_rows", (1, 8192, 32, 128), "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
+      ("strided_rows_b8", (8, 4096, 16, 128), "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
       ("strided_t2048", (1, 2048, 32, 128), "bfloat16",
        auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
       ("strided_t1024", (1, 1024, 32, 128), "bfloat16",

@@ -631,6 +631,7 @@ def _kernel(*refs, t: Config):
   names += ["rate", "dtb"] if t.gated else []
   names += ["s0"] if t.has_initial_state else []
   names += ["o", "sf"] + (["cs"] if t.save_states else []) + ["state"]
+  names += ["o32"] if _rows_scratch(t, refs[names.index("o")].dtype) else []
   r = dict(zip(names, refs))
   s0_ref, cs_ref, state_ref = r.get("s0"), r.get("cs"), r["state"]
   chunk_id = pl.program_id(1)
@@ -652,7 +653,11 @@ def _kernel(*refs, t: Config):
   if cs_ref is not None:
     cs_ref[...] = state
   o, new_state = _state_step(x, q2, k2, state, seg, t)
-  _write(r["o"], _lanes(o), t)
+  if "o32" in r:  # strided 16-bit rows (`_rows_scratch`)
+    _write(r["o32"], _lanes(o), t)
+    r["o"][...] = r["o32"][...].astype(r["o"].dtype)
+  else:
+    _write(r["o"], _lanes(o), t)
   state_ref[...] = new_state
 
   if t.run_states:  # the run's block holds its state after its last chunk
@@ -904,7 +909,17 @@ def vmem_bytes(t: Config, in_dtype, g_dtype) -> int:
                      + 4 * 8) + 8 * max(c, 128) * 4 * hb
   states = hb * kd * vd * 4 * (2 + (2 if t.has_initial_state else 0) + 1)
   live = 24 * hb * c * max(kd + vd, 128) * 4
-  return 2 * blocks + states + live
+  rows = c * hb * vd * 4 if _rows_scratch(t, in_dtype) else 0
+  return 2 * blocks + states + live + rows
+
+
+def _rows_scratch(t: Config, o_dtype) -> bool:
+  """Whether the strided forward writes its output rows through a float32
+  scratch: Mosaic has no strided store of 16-bit data (on a v5e: "Strided
+  store with non 32-bit data"), so each head's rows go to a float32 block
+  by strided stores, and the block, cast, to the 16-bit output by one
+  contiguous store."""
+  return t.strided and jnp.dtype(o_dtype).itemsize < 4
 
 
 def kda_forward(q, k, v, g, beta, initial_state=None, *, precision,
@@ -1388,10 +1403,12 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   if t.has_initial_state:
     in_specs.append(state_spec)
     args.append(initial_state.astype(_F32).reshape(-1, kd, vd))
-  # Strided, the output is written as float32 rows and cast after: Mosaic
-  # has no strided store of 16-bit data (on a v5e: "Strided store with non
-  # 32-bit data", docs/kernel.md).
-  o_dtype = _F32 if t.strided else q.dtype
+  # Strided 16-bit output rows go through a float32 scratch
+  # (`_rows_scratch`).
+  o_dtype = q.dtype
+  scratch = [pltpu.VMEM((hb, kd, vd), _F32)]
+  if _rows_scratch(t, o_dtype):
+    scratch.append(pltpu.VMEM((t.chunk * hb, vd), _F32))
   o_view = jax.eval_shape(view["tok"], jax.ShapeDtypeStruct(
       (b, tp, h, vd), o_dtype))
   out_specs = [tok(vd), state_spec]
@@ -1404,8 +1421,7 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
       functools.partial(_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(prefetch), grid=(b * (h // hb), n),
-          in_specs=in_specs, out_specs=out_specs,
-          scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
+          in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape,
       compiler_params=_params(vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
