@@ -248,7 +248,7 @@ def _batched_parts_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, rate_ref,
                                       dtb_ref[...], t)
   acc = pb._heads(q2 + k2 + g2 + v2, hb, kd) + beta
   if stage >= 2:
-    f = pb._factors(g2, c, t.blocks, t.split_tails)
+    f = pb._factors(g2, c, t.blocks)
     acc = acc + pb._heads(f["read"] + f["to_end"] + f["rowf"]
                           + sum(f["colfs"]), hb, kd)
   if stage >= 3:
@@ -268,7 +268,7 @@ def _batched_parts_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, rate_ref,
     sf_ref[...] = state_ref[...]
 
 
-def batched_parts_fn(stage, heads_per_block, split_tails=False):
+def batched_parts_fn(stage, heads_per_block):
   """f(q, k, v, g, beta, a_log, dt_bias) -> (o, state): the batched
   kernel's forward body up to `stage` on its grid and blocks (raw inputs,
   T a multiple of the chunk), or for "b_kernel" the kernel itself."""
@@ -284,13 +284,13 @@ def batched_parts_fn(stage, heads_per_block, split_tails=False):
           q, k, v, g, beta, scale=kd ** -0.5, a_log=a_log, dt_bias=dt_bias,
           lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
           precision=precision, heads_per_block=heads_per_block,
-          split_tails=split_tails, interpret=interpret)
+          interpret=interpret)
     pb = pallas_batched
     t = pb.Config(chunk=pt.DEFAULT_CHUNK, heads_per_block=heads_per_block,
                   key_dim=kd, value_dim=vd, has_initial_state=False,
                   precision=precision, interpret=interpret,
                   prep=pb.Prep(l2norm=True, scale=kd ** -0.5,
-                               lower_bound=-5.0), split_tails=split_tails)
+                               lower_bound=-5.0))
     if seq % t.chunk or kd != vd:
       raise ValueError(f"the stages take T a multiple of {t.chunk} and K ="
                        f" V; got T={seq}, K={kd}, V={vd}")
@@ -388,11 +388,11 @@ def time_ms(fn, args, repeats):
   return statistics.median(times), compile_s
 
 
-def _variant_fn(name, heads_per_block, batched_heads, split_tails=False):
+def _variant_fn(name, heads_per_block, batched_heads):
   """The function variant `name` times (on prepared inputs for the first
   kernel's, raw ones for the batched kernel's b_* stages)."""
   if name in BATCHED_VARIANTS:
-    return batched_parts_fn(name, batched_heads, split_tails)
+    return batched_parts_fn(name, batched_heads)
   parts = VARIANTS[name]
   if parts is None:
     return full_fn(heads_per_block)
@@ -410,9 +410,6 @@ def main():
   p.add_argument("--heads_per_block", type=cli.positive_int, default=4)
   p.add_argument("--batched_heads", type=cli.positive_int, default=16,
                  help="heads a grid step of the b_* variants")
-  p.add_argument("--split_tails", action="store_true",
-                 help="the b_* variants' exponent factors with fewer"
-                 " exponentials (pallas_batched._factors)")
   p.add_argument("--variants", default=",".join(VARIANTS),
                  help=f"of {', '.join(VARIANTS)} (the first kernel) and"
                  f" {', '.join(BATCHED_VARIANTS)} (the batched kernel)")
@@ -438,8 +435,7 @@ def main():
     print(rows[-1], flush=True)
   for name in names:
     parts = VARIANTS.get(name, name)  # a b_* variant: its stage
-    fn = _variant_fn(name, a.heads_per_block, a.batched_heads,
-                     a.split_tails)
+    fn = _variant_fn(name, a.heads_per_block, a.batched_heads)
     fn_args = raw if name in BATCHED_VARIANTS else args
     try:
       ms, compile_s = time_ms(fn, fn_args, a.repeats)
@@ -453,8 +449,7 @@ def main():
       json.dump(dict(device=str(jax.devices()[0].device_kind),
                      jax=jax.__version__, shape=shape, dtype=a.dtype,
                      heads_per_block=a.heads_per_block,
-                     batched_heads=a.batched_heads,
-                     split_tails=a.split_tails, rows=rows), fh,
+                     batched_heads=a.batched_heads, rows=rows), fh,
                 indent=1)
 
 

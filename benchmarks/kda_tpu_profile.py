@@ -38,8 +38,6 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   `batched_hb8_c128_fused`: the grid step's shape: all H heads a step
   (unstrided), or 128-token chunks (`_c128`; 64 otherwise), with the fused
   backward;
-* `batched_hb16_splittails_fused`: the exponent factors with fewer
-  exponentials (`split_tails=True`);
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
 
 `--precision` sets our implementations' matmul precision: a name of the
@@ -83,7 +81,7 @@ IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
          "batched_fused", "batched_hb16_fused", "batched_strided_fused",
          "batched_strided_hb16bwd_fused", "batched_hball_fused",
          "batched_hb16_c128_fused", "batched_hb8_c128_fused",
-         "batched_hb16_splittails_fused", "tokamax_mosaic")
+         "tokamax_mosaic")
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -140,13 +138,11 @@ def _segment_states(n, q, v):
 
 def batched_op(heads_per_block=None, strided=False, fused_backward=False,
                segment_ids=None, precision="auto", states=False,
-               strided_backward=None, chunk=pallas_tpu.DEFAULT_CHUNK,
-               split_tails=False):
+               strided_backward=None, chunk=pallas_tpu.DEFAULT_CHUNK):
   """Our batched-heads kernel on the raw inputs (preparation inside it);
   with `states`, per-segment initial and final states. heads_per_block:
   a number, "all" (H) or None (the kernel's default); `chunk` tokens a
-  chunk; `strided_backward` and `split_tails` as `pallas_batched.kda`
-  takes them."""
+  chunk; `strided_backward` as `pallas_batched.kda` takes it."""
   interpret = jax.devices()[0].platform != "tpu"
   n = _num_segments(segment_ids, states)
 
@@ -161,7 +157,7 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
         heads_per_block=hb, strided=strided,
         strided_backward=strided_backward, fused_backward=fused_backward,
         segment_ids=segment_ids, num_segments=n, chunk=chunk,
-        split_tails=split_tails, interpret=interpret)
+        interpret=interpret)
     return (o, final) if states else o
   return f
 
@@ -216,7 +212,6 @@ def implementation(name, segment_ids=None, precision="auto"):
                       pallas_tpu.DEFAULT_CHUNK,
                       strided=name.startswith("batched_strided"),
                       strided_backward=False if "hb16bwd" in name else None,
-                      split_tails="_splittails" in name,
                       fused_backward=name.endswith("_fused"),
                       segment_ids=segment_ids, precision=precision,
                       states=states)

@@ -294,30 +294,10 @@ def test_strided_forward_with_an_unstrided_backward(dtype):
                          name=name)
 
 
-@pytest.mark.parametrize("chunk, dtype", [(64, jnp.float32), (32, jnp.float32),
-                                          (64, jnp.bfloat16)])
-def test_split_tails_forward_and_gradients(chunk, dtype):
-  # The exponent factors with fewer exponentials (`_factors(...,
-  # split_tails=True)`), padded T, an initial state, two head blocks: the
-  # output, final state and every gradient against the float64 reference
-  # op at the bounds of the tests above.
-  f32 = dtype == jnp.float32
-  (out, grads), (out64, grads64) = _raw_pair(
-      100, gated=True, l2norm=True, h=4, dtype=dtype,
-      precision=ACCURATE if f32 else FAST, heads_per_block=2, chunk=chunk,
-      split_tails=True)
-  for name, x, w in zip(("output", "final_state"), out, out64):
-    testing.assert_close(x, np.asarray(w),
-                         rtol=RTOL_F32 if f32 else RTOL_BF16_OUT, name=name)
-  for name, x, w in zip(RAW_NAMES, grads, grads64):
-    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32 if f32 else 8e-3,
-                         name=name)
-
-
-def _factor_errors(g, split_tails):
+def _factor_errors(g):
   """Largest absolute errors of `_factors`' read, to_end and every causal
   pair rowf[i] colf[j] = exp(G_i - G_j) against float64, one chunk."""
-  f = pallas_batched._factors(g, 64, 4, split_tails=split_tails)
+  f = pallas_batched._factors(g, 64, 4)
   big = np.cumsum(np.asarray(g, np.float64), axis=0)
   err = lambda a, w: float(np.abs(np.asarray(a, np.float64) - w).max())
   pairs = max(err(np.asarray(f["rowf"][i], np.float64)
@@ -329,16 +309,20 @@ def _factor_errors(g, split_tails):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_split_tails_factors_are_as_accurate_as_the_direct_ones(seed):
-  # Log decays down to the gate's -5. Summing each in-block tail by the
-  # exact product (not as a difference of two rounded prefix sums) keeps
-  # `to_end` at the direct form's error (3.8e-8 both, measured; the
-  # difference form gave 4.3e-6).
-  g = jax.random.uniform(jax.random.key(seed), (64, 256), minval=-5.0,
-                         maxval=0.0)
-  direct, split = _factor_errors(g, False), _factor_errors(g, True)
-  for name in direct:
-    assert split[name] <= 1.5 * direct[name] + 1e-9, (name, split, direct)
+def test_exponent_factors_match_float64(seed):
+  # The factorization's arithmetic, on the host CPU (the chip's own exp is
+  # measured by benchmarks/elementwise_accuracy.py): log decays down to the
+  # gate's -5, one 64-token chunk of 256 lanes, exp(G), exp(G_C - G) and
+  # every causal pair's two factors against float64 (absolute errors; each
+  # value is at most 1). Measured (seeds 0, 1): read 3.4e-8, to_end 3.8e-8,
+  # pairs 5.5e-6 (the pair's two exponents reach +-40, so each factor's
+  # argument carries about 40 x 6e-8 of rounding).
+  with jax.default_device(jax.devices("cpu")[0]):
+    g = jax.random.uniform(jax.random.key(seed), (64, 256), minval=-5.0,
+                           maxval=0.0)
+    errors = _factor_errors(g)
+  assert errors["read"] <= 1e-7 and errors["to_end"] <= 1e-7, errors
+  assert errors["pairs"] <= 1.1e-5, errors
 
 
 def _pallas_grids(jaxpr):

@@ -133,9 +133,6 @@ class Config:
   # heads a step), or None: this one. A differentiated call runs this one
   # forward and backward.
   primal: "Config | None" = None
-  # `_factors`' form with fewer exponentials (exp of each in-block tail once
-  # a row, times one exponential row per block pair); off until timed.
-  split_tails: bool = False
   # Packed segments (`segment_ids`, without initial or final states): each
   # chunk also reads its run rows (`_run_rows`) and restricts its pairs and
   # its use of the carried state to runs (`_run_masks`).
@@ -190,13 +187,11 @@ def _split3(x):
   return a, b, (x - a.astype(_F32) - b.astype(_F32)).astype(_BF16)
 
 
-def _range_matrix(c, transpose=False, in_block=False):
+def _range_matrix(c, transpose=False):
   """[3C, C] 0/1 (bfloat16, exact): prefix, suffix and 16-token local sums.
 
-  Rows [0, C): sum over [0, i]; [C, 2C): sum over (i, C), or with
-  `in_block` over (i, 16 floor(i / 16) + 15] (the rest of i's block);
-  [2C, 3C): sum over [16 floor(i / 16), i]. Built from iotas; `transpose`
-  gives [C, 3C].
+  Rows [0, C): sum over [0, i]; [C, 2C): sum over (i, C); [2C, 3C): sum
+  over [16 floor(i / 16), i]. Built from iotas; `transpose` gives [C, 3C].
   """
   shape = (c, 3 * c) if transpose else (3 * c, c)
   r = jax.lax.broadcasted_iota(jnp.int32, shape, 1 if transpose else 0)
@@ -206,9 +201,8 @@ def _range_matrix(c, transpose=False, in_block=False):
   same = jax.lax.shift_right_logical(i, shift) == jax.lax.shift_right_logical(
       j, shift)
   one = lambda cond: jnp.where(cond, 1.0, 0.0)  # (no selects on booleans)
-  later = (same & (j > i)) if in_block else (j > i)
   m = jnp.where(r < c, one(j <= i),
-                jnp.where(r < 2 * c, one(later), one(same & (j <= i))))
+                jnp.where(r < 2 * c, one(j > i), one(same & (j <= i))))
   return m.astype(_BF16)
 
 
@@ -238,7 +232,7 @@ def _between(totals, halves, m, n):
   return out
 
 
-def _factors(g, c, nb, split_tails=False):
+def _factors(g, c, nb):
   """Exponent factors of one chunk, for every head at once ([C, hb*K]).
 
   Returns read = exp(G), to_end = exp(G_C - G), total = exp(G_C) [1, N],
@@ -249,28 +243,18 @@ def _factors(g, c, nb, split_tails=False):
   exp(h_n + T_{m+1} + ... + T_{n-1} + (T_m - L_j)) in an earlier block m,
   and 0 after block n. Every exponent of a row factor or of block n's own
   column factors lies in [-40, 40] when g >= -5, and earlier blocks' are
-  <= 0: no factor overflows.
-
-  `split_tails` takes fewer exponentials (at C = 64, 267 rows of [1, N]
-  instead of 353): exp(T_m - L_j), the in-block tail, once a row (summed
-  by the exact product in place of the chunk suffix, so it is not the
-  difference of two rounded sums), and the earlier blocks' column factors
-  and `to_end` as that tail times one exponential row per block pair or
-  block (exp(h_n + T_{m+1} + ... + T_{n-1}), exp(T_{n+1} + ... +
-  T_{nb-1})). Both factors are <= 1, so a product that float32 holds is
-  never lost to an underflowing factor. `_factors_backward` is the same
-  for both forms: the exponents are the same functions of g.
+  <= 0: no factor overflows. (A form with fewer exponentials, 267 rows of
+  [1, N] a chunk instead of 353, each in-block tail's exp once times one
+  exponential row per block pair, took the same time on a v5e, 2.59
+  against 2.58 ms forward at B1 T8192 H32, and was removed.)
   """
-  x = _exact_dot(_range_matrix(c, in_block=split_tails), g)
+  x = _exact_dot(_range_matrix(c), g)
   big, suffix, local = x[:c], x[c:2 * c], x[2 * c:]
   n_lanes = g.shape[1]
   totals = [local[SUB * m + SUB - 1:SUB * m + SUB] for m in range(nb)]
   halves = [0.5 * t for t in totals]
   rowf = jnp.exp(local - _block_rows(halves, n_lanes))
-  if split_tails:  # the exact product's in-block sums over (j, block end]
-    etail = jnp.exp(suffix)
-  else:
-    tail = _block_rows(totals, n_lanes) - local  # sum over (j, block end]
+  tail = _block_rows(totals, n_lanes) - local  # sum over (j, block end]
   colfs = []
   for n in range(nb):
     pieces = []
@@ -280,18 +264,10 @@ def _factors(g, c, nb, split_tails=False):
         pieces.append(jnp.zeros((SUB, n_lanes), _F32))
       elif m == n:
         pieces.append(jnp.exp(halves[n] - local[sl]))
-      elif split_tails:
-        pieces.append(etail[sl] * jnp.exp(_between(totals, halves, m, n)))
       else:
         pieces.append(jnp.exp(_between(totals, halves, m, n) + tail[sl]))
     colfs.append(jnp.concatenate(pieces, axis=0))
-  if split_tails:  # suffix over (i, C) = tail_i + T_{n+1} + ... + T_{nb-1}
-    after = [sum(totals[n + 1:], jnp.zeros((1, n_lanes), _F32))
-             for n in range(nb)]
-    to_end = etail * _block_rows([jnp.exp(a) for a in after], n_lanes)
-  else:
-    to_end = jnp.exp(suffix)
-  return dict(read=jnp.exp(big), to_end=to_end,
+  return dict(read=jnp.exp(big), to_end=jnp.exp(suffix),
               total=jnp.exp(big[c - 1:c]), rowf=rowf, colfs=colfs)
 
 
@@ -506,7 +482,7 @@ def _chunk(q2, k2, v2, g2, beta, t: "Config", masks):
   beta column [hb, C, 1], the solve's factors and wu = [W | U]: the stages
   `_factors`, `_scores` and `_ut`, in turn.
   """
-  f = _factors(g2, t.chunk, t.blocks, t.split_tails)
+  f = _factors(g2, t.chunk, t.blocks)
   x = _scores(q2, k2, f, t, masks)
   return _ut(x, k2, v2, beta, t, masks)
 
@@ -976,7 +952,7 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
         heads_per_block=None, strided=False, strided_backward=None,
         strided_primal=False, fused_backward=True, segment_ids=None,
-        num_segments=None, split_tails=False, interpret=False):
+        num_segments=None, interpret=False):
   """The KDA forward on the op's raw inputs, preparation inside the kernel.
 
   q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -1011,8 +987,6 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   forward, a differentiated one the unstrided forward and backward of
   `heads_per_block` heads (on a v5e the strided forward is the faster
   forward, the unstrided pair the faster forward+backward; docs/kernel.md).
-  `split_tails`: the exponent factors with fewer exponentials
-  (`_factors`), forward and backward.
 
   Returns (o [B, T, H, V] in q's dtype, final state float32: [B, H, K, V],
   or [B, N, H, K, V] with `num_segments`, or None with `segment_ids` only).
@@ -1056,7 +1030,6 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
              strided=bool(strided), fused_backward=bool(fused_backward),
              backward_heads_per_block=(
                  _heads_per_block(h, heads_per_block) if split else None),
-             split_tails=bool(split_tails),
              segmented=segment_ids is not None, run_states=run_states)
   if strided_primal:
     if strided or segment_ids is not None:
