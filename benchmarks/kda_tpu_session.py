@@ -21,11 +21,12 @@ differentiated, the grid step's shape and the exponent factors
 `kda_tpu_session_split_grid_classes_v5e.json` in benchmarks/results);
 these are the steps still owed:
 
-1. `strided_rows`, `strided_rows_b8`: the strided forward, whose 16-bit
-   output now goes through a float32 scratch in the kernel (before: float32
-   rows through HBM and a cast after, 0.31 ms of the 2.18 at B1 T8192
-   H32), against the 16-heads-a-step forward at B1 T8192 H32 and B8 T4096
-   H16: toward the forward target.
+1. `strided_rows`, `strided_rows_b8`: the strided kernels, whose 16-bit
+   output and gradients now go through a float32 scratch in the kernel
+   (before: float32 rows through HBM and casts after, 0.31 ms of the
+   forward's 2.18 and 1.23 of the forward+backward's 7.49 at B1 T8192
+   H32), against the 16-heads-a-step pair at B1 T8192 H32 and B8 T4096
+   H16: the strided pair for differentiated calls too if faster.
 2. `strided_t2048`, `strided_t1024`: the strided forward against the
    16-heads-a-step forward at T 2048 and 1024 (timed faster at T 4096 and
    8192 only, `pallas.STRIDED_PRIMAL`): the strided primal's class.
@@ -62,9 +63,9 @@ def steps():
          ("batched_fused", "default")]
   return [
       ("strided_rows", (1, 8192, 32, 128), "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
+       auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
       ("strided_rows_b8", (8, 4096, 16, 128), "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
+       auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
       ("strided_t2048", (1, 2048, 32, 128), "bfloat16",
        auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
       ("strided_t1024", (1, 1024, 32, 128), "bfloat16",

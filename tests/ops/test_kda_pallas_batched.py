@@ -152,7 +152,8 @@ def test_limits_raise_not_implemented():
     run(args, lower_bound=-6.0)
 
 
-def _raw_inputs(t, h=2, kd=128, b=1, seed=0, dtype=jnp.float32):
+def _raw_inputs(t, h=2, kd=128, b=1, seed=0, dtype=jnp.float32,
+                g_dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   x = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
   q, k, v, g = (x(b, t, h, kd) for _ in range(4))
@@ -161,19 +162,20 @@ def _raw_inputs(t, h=2, kd=128, b=1, seed=0, dtype=jnp.float32):
   dt_bias = x(h * kd) * 0.5
   s0 = x(b, h, kd, kd) * 0.5
   cast = lambda a: a.astype(dtype)
-  return (cast(q), cast(k), cast(v), g, cast(beta), s0), a_log, dt_bias
+  return ((cast(q), cast(k), cast(v), g.astype(g_dtype), cast(beta), s0),
+          a_log, dt_bias)
 
 
 RAW_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "ds0", "da_log", "ddt_bias")
 
 
 def _raw_pair(t, *, gated, l2norm, h=2, b=1, init=True, dtype=jnp.float32,
-              precision=ACCURATE, **kernel_kw):
+              precision=ACCURATE, g_dtype=jnp.float32, **kernel_kw):
   """(out, grads), (out64, grads64): `pallas_batched.kda` and the float64
   `reference` op on the same raw inputs (rounded to `dtype`), under one
   random cotangent. grads follow RAW_NAMES (None where no input)."""
-  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, h=h, b=b, seed=t,
-                                                       dtype=dtype)
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(
+      t, h=h, b=b, seed=t, dtype=dtype, g_dtype=g_dtype)
   if not gated:
     g = -5.0 * jax.nn.sigmoid(g)  # a log decay in [-5, 0]
   if not l2norm:  # unit keys keep the delta rule contractive
@@ -339,6 +341,22 @@ def _pallas_grids(jaxpr):
   return grids
 
 
+def test_strided_gradients_of_bfloat16_inputs_and_gate():
+  # q, k, v, beta and the raw gate in bfloat16, strided: all four gradient
+  # blocks through the one float32 scratch in turn (`_rows_scratch`), each
+  # against the float64 reference op at the bound of the bfloat16 tests
+  # above (8e-3; measured in interpret mode: output 3.8e-3, gradients
+  # 1.4e-3..4.8e-3).
+  (out, grads), (out64, grads64) = _raw_pair(
+      100, gated=True, l2norm=True, h=4, dtype=jnp.bfloat16,
+      g_dtype=jnp.bfloat16, precision=FAST, strided=True,
+      fused_backward=True)
+  testing.assert_close(out[0], np.asarray(out64[0]), rtol=RTOL_BF16_OUT,
+                       name="output")
+  for name, x, w in zip(RAW_NAMES, grads, grads64):
+    testing.assert_close(x, np.asarray(w), rtol=8e-3, name=name)
+
+
 def _pallas_outputs(jaxpr):
   """The output dtypes of every pallas_call in `jaxpr` and its
   sub-jaxprs, in order."""
@@ -355,11 +373,13 @@ def _pallas_outputs(jaxpr):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_the_strided_forward_writes_its_output_in_the_inputs_dtype(dtype):
-  # Strided 16-bit rows go through a float32 scratch in the kernel
-  # (`_rows_scratch`), so the kernel writes bfloat16 itself: no float32
-  # rows through HBM and no cast after (0.31 ms at B1 T8192 H32 on a v5e
-  # before); the values are checked in the bfloat16 tests above.
+def test_the_strided_kernels_write_in_the_inputs_dtype(dtype):
+  # Strided 16-bit rows go through a float32 scratch in the kernels
+  # (`_rows_scratch`), so each kernel writes the output and the gradients
+  # of q, k, v and g in the inputs' dtype itself: no float32 rows through
+  # HBM and no cast after (0.31 ms of the forward and 1.23 ms of the
+  # forward+backward at B1 T8192 H32 on a v5e before); the values are
+  # checked in the bfloat16 tests above.
   (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(100, h=4, dtype=dtype)
   run = lambda q: pallas_batched.kda(
       q, k, v, g, beta, s0, scale=1.0, a_log=a_log, dt_bias=dt_bias,
@@ -367,6 +387,9 @@ def test_the_strided_forward_writes_its_output_in_the_inputs_dtype(dtype):
       strided=True, interpret=INTERPRET)
   (o_dtype, state_dtype), = _pallas_outputs(jax.make_jaxpr(run)(q).jaxpr)
   assert (o_dtype, state_dtype) == (dtype, jnp.float32)
+  loss = lambda q: jnp.sum(run(q)[0].astype(jnp.float32))
+  _, backward = _pallas_outputs(jax.make_jaxpr(jax.grad(loss))(q).jaxpr)
+  assert backward[:4] == (q.dtype, k.dtype, v.dtype, g.dtype), backward
 
 
 def test_a_strided_forward_hands_its_backward_to_unstrided_blocks():
@@ -447,14 +470,14 @@ def test_an_unstrided_backward_only_in_the_fused_form():
 @pytest.mark.parametrize("strided", [False, True])
 def test_fused_backward_gradients_of_bfloat16_inputs(strided):
   # bfloat16 q, k, v, beta at one pass, their gradients written in bfloat16
-  # by the kernel (float32 rows when strided, cast after); the bounds of
+  # by the kernel (strided: through a float32 scratch); the bounds of
   # `test_gradients_of_bfloat16_inputs` (measured 1.8e-3..4.4e-3).
   (out, grads), (out64, grads64) = _raw_pair(
       100, gated=True, l2norm=True, h=4, dtype=jnp.bfloat16,
       precision=FAST, heads_per_block=None if strided else 2,
       strided=strided, fused_backward=True)
   # The output in the inputs' dtype (strided: through a float32 scratch in
-  # the kernel, `test_the_strided_forward_writes_its_16_bit_output_itself`).
+  # the kernel, `test_the_strided_kernels_write_in_the_inputs_dtype`).
   assert out[0].dtype == jnp.bfloat16
   testing.assert_close(out[0], np.asarray(out64[0]), rtol=RTOL_BF16_OUT,
                        name="output")

@@ -444,16 +444,23 @@ def _read(ref, t: "Config"):
       axis=1)
 
 
-def _write(ref, x2, t: "Config"):
-  """`_read`'s inverse: x2 [C, hb*d] into a token block."""
+def _write(ref, x2, t: "Config", rows=None):
+  """`_read`'s inverse: x2 [C, hb*d] into a token block. Strided, a 16-bit
+  block goes through `rows`, a float32 scratch of C*hb rows and at least d
+  lanes (`_rows_scratch`)."""
   if not t.strided:
     ref[...] = x2.astype(ref.dtype)
     return
   hb = t.heads_per_block
   d = x2.shape[1] // hb
+  wide = jnp.dtype(ref.dtype).itemsize == 4
+  to = ref if wide else (rows if rows.shape[1] == d
+                         else rows.at[:, pl.ds(0, d)])
   for h in range(hb):
-    ref[pl.ds(h, t.chunk, stride=hb), :] = x2[:, h * d:(h + 1) * d].astype(
-        ref.dtype)
+    to[pl.ds(h, t.chunk, stride=hb), :] = x2[:, h * d:(h + 1) * d].astype(
+        to.dtype)
+  if not wide:
+    ref[...] = to[...].astype(ref.dtype)
 
 
 def _read_beta(ref, t: "Config"):
@@ -607,7 +614,7 @@ def _kernel(*refs, t: Config):
   names += ["rate", "dtb"] if t.gated else []
   names += ["s0"] if t.has_initial_state else []
   names += ["o", "sf"] + (["cs"] if t.save_states else []) + ["state"]
-  names += ["o32"] if _rows_scratch(t, refs[names.index("o")].dtype) else []
+  names += ["rows"] if _rows_scratch(t, refs[names.index("o")].dtype) else []
   r = dict(zip(names, refs))
   s0_ref, cs_ref, state_ref = r.get("s0"), r.get("cs"), r["state"]
   chunk_id = pl.program_id(1)
@@ -629,11 +636,7 @@ def _kernel(*refs, t: Config):
   if cs_ref is not None:
     cs_ref[...] = state
   o, new_state = _state_step(x, q2, k2, state, seg, t)
-  if "o32" in r:  # strided 16-bit rows (`_rows_scratch`)
-    _write(r["o32"], _lanes(o), t)
-    r["o"][...] = r["o32"][...].astype(r["o"].dtype)
-  else:
-    _write(r["o"], _lanes(o), t)
+  _write(r["o"], _lanes(o), t, r.get("rows"))
   state_ref[...] = new_state
 
   if t.run_states:  # the run's block holds its state after its last chunk
@@ -755,6 +758,8 @@ def _backward_kernel(*refs, t: Config):
   names += ["rate", "dtb"] if t.gated else []
   names += ["cs", "do", "dsf", "dq", "dk", "dv", "dg", "db", "ds0"]
   names += (["da", "ddt"] if t.gated else []) + ["dstate"]
+  grads = [refs[names.index(n)].dtype for n in ("dq", "dk", "dv", "dg")]
+  names += ["rows"] if _rows_scratch(t, *grads) else []
   r = dict(zip(names, refs))
   cs_ref, dstate_ref = r["cs"], r["dstate"]
   c, hb, kd, vd, nb = (t.chunk, t.heads_per_block, t.key_dim, t.value_dim,
@@ -853,10 +858,11 @@ def _write_gradients(r, grads, rate, saved, t: Config):
     if t.gated:
       r["da"][...] += da
       r["ddt"][...] += ddt
-  _write(r["dq"], _lanes(dq), t)
-  _write(r["dk"], _lanes(dk), t)
-  _write(r["dv"], _lanes(dv), t)
-  _write(r["dg"], dg, t)
+  rows = r.get("rows")
+  _write(r["dq"], _lanes(dq), t, rows)
+  _write(r["dk"], _lanes(dk), t, rows)
+  _write(r["dv"], _lanes(dv), t, rows)
+  _write(r["dg"], dg, t, rows)
   _write_beta(r["db"], dbeta, t)
 
 
@@ -889,13 +895,13 @@ def vmem_bytes(t: Config, in_dtype, g_dtype) -> int:
   return 2 * blocks + states + live + rows
 
 
-def _rows_scratch(t: Config, o_dtype) -> bool:
-  """Whether the strided forward writes its output rows through a float32
-  scratch: Mosaic has no strided store of 16-bit data (on a v5e: "Strided
-  store with non 32-bit data"), so each head's rows go to a float32 block
-  by strided stores, and the block, cast, to the 16-bit output by one
-  contiguous store."""
-  return t.strided and jnp.dtype(o_dtype).itemsize < 4
+def _rows_scratch(t: Config, *dtypes) -> bool:
+  """Whether a strided kernel writing blocks of `dtypes` takes a float32
+  scratch of C*hb rows (`_write`): Mosaic has no strided store of 16-bit
+  data (on a v5e: "Strided store with non 32-bit data"), so each head's
+  rows go to the float32 block by strided stores, and the block, cast, to
+  the 16-bit output by one contiguous store."""
+  return t.strided and any(jnp.dtype(d).itemsize < 4 for d in dtypes)
 
 
 def kda_forward(q, k, v, g, beta, initial_state=None, *, precision,
@@ -1434,9 +1440,9 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
 
   Without `t.prep`, on prepared inputs, the gradients in float32. With it
   (the fused backward), on the raw inputs as `_forward` takes them: the
-  gradients of q, k, v and g in their dtypes (float32 when `t.strided`: a
-  strided store of 16-bit rows has no Mosaic lowering), and with the fused
-  gate also those of a_log [H] and dt_bias [H*K], float32.
+  gradients of q, k, v and g in their dtypes (strided 16-bit rows through
+  a float32 scratch, `_rows_scratch`), and with the fused gate also those
+  of a_log [H] and dt_bias [H*K], float32.
   """
   b, seq, h, kd = q.shape
   vd = v.shape[-1]
@@ -1454,10 +1460,7 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
       dt_bias)
   in_specs += [spec["chunk_state"], tok(vd), state_spec]
   args += [states, view["tok"](do), dfinal.astype(_F32).reshape(-1, kd, vd)]
-  if t.prep is None or t.strided:
-    dtype = lambda x: _F32
-  else:
-    dtype = lambda x: x.dtype
+  dtype = lambda x: _F32 if t.prep is None else x.dtype
   shape = lambda d, x: jax.eval_shape(
       view["tok"], jax.ShapeDtypeStruct((b, tp, h, d), dtype(x)))
   db_shape = jax.eval_shape(view["beta"],
@@ -1465,6 +1468,9 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
   out_specs = [tok(kd), tok(kd), tok(vd), tok(kd), spec["rows"], state_spec]
   out_shape = [shape(kd, q), shape(kd, k), shape(vd, v), shape(kd, g),
                db_shape, jax.ShapeDtypeStruct((b * per_row * h, kd, vd), _F32)]
+  scratch = [pltpu.VMEM((hb, kd, vd), _F32)]
+  if _rows_scratch(t, *(s.dtype for s in out_shape[:4])):
+    scratch.append(pltpu.VMEM((t.chunk * hb, max(kd, vd)), _F32))
   if t.gated:  # per-lane sums, resident along the (arbitrary) chunk axis
     nh = h // hb
     sums = pl.BlockSpec((pl.squeezed, 1, hb * kd),
@@ -1475,8 +1481,7 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
       functools.partial(_backward_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(prefetch), grid=(b * (h // hb), n),
-          in_specs=in_specs, out_specs=out_specs,
-          scratch_shapes=[pltpu.VMEM((hb, kd, vd), _F32)]),
+          in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape,
       compiler_params=_params(2 * vmem_bytes(t, q.dtype, g.dtype)),
       interpret=t.interpret,
