@@ -38,7 +38,10 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
   `batched_hb8_c128_fused`: the grid step's shape: all H heads a step
   (unstrided), or 128-token chunks (`_c128`; 64 otherwise), with the fused
   backward;
-* `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted).
+* `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted);
+* `chunked_chunkstates`, `pallas_chunkstates`: the op on that backend with
+  the final state and the state after every 1024 tokens
+  (`output_chunk_states`).
 
 `--precision` sets our implementations' matmul precision: a name of the
 op ("auto", "highest", "high", "default") or four, comma-separated, one per
@@ -55,6 +58,7 @@ carry per-segment states (zero initial states in, final states out).
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -73,6 +77,7 @@ from benchmarks import kda_tpu
 from experiments.tools import cli
 from linear_attention import ops
 from linear_attention.ops.kda import gates
+from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
 from linear_attention.ops.kda import pallas_tpu
 from linear_attention.ops.kda import precision as precision_lib
@@ -81,7 +86,7 @@ IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
          "batched_fused", "batched_hb16_fused", "batched_strided_fused",
          "batched_strided_hb16bwd_fused", "batched_hball_fused",
          "batched_hb16_c128_fused", "batched_hb8_c128_fused",
-         "tokamax_mosaic")
+         "tokamax_mosaic", "chunked_chunkstates", "pallas_chunkstates")
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -178,6 +183,28 @@ def chunked_op(segment_ids=None, precision="auto", states=False):
   return f
 
 
+CHUNK_STATES_EVERY = 1024
+
+
+def chunk_states_op(backend):
+  """The op on `backend` with `output_chunk_states` (the state after every
+  `CHUNK_STATES_EVERY` tokens) and the final state, through the public op
+  (the backend "pallas" computes them by exact state passing over pieces,
+  `context_parallel.run`; off a TPU in Pallas interpret mode)."""
+  on_tpu = jax.devices()[0].platform == "tpu"
+
+  def f(q, k, v, g, beta, a_log, dt_bias):
+    with (contextlib.nullcontext() if on_tpu or backend != "pallas"
+          else mosaic.interpreted()):
+      return ops.kimi_delta_attention(
+          q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+          use_gate_in_kernel=True, use_qk_l2norm=True,
+          output_final_state=True, output_chunk_states=True,
+          chunk_states_every=min(CHUNK_STATES_EVERY, q.shape[1]),
+          backend=backend)
+  return f
+
+
 def documents(b, t, n):
   """[B, T] int32 segment ids: documents of n tokens, numbered from 1."""
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // n + 1, (b, t))
@@ -199,6 +226,10 @@ def implementation(name, segment_ids=None, precision="auto"):
   if name != "chunked" and not name.startswith("batched") and (
       precision != "auto"):
     raise ValueError(f"--precision: {name} runs at its own precision here")
+  if name.endswith("_chunkstates"):
+    if segment_ids is not None or precision != "auto":
+      raise ValueError(f"{name}: no --documents, precision 'auto'")
+    return chunk_states_op(name[:-len("_chunkstates")])
   if name == "chunked":
     return chunked_op(segment_ids, precision, states)
   if name == "kernel":

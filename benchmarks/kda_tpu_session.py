@@ -34,6 +34,10 @@ these are the steps still owed:
    bfloat16 class starts at T 256).
 4. `float32_t256`: float32 at T 256, `chunked` at "auto" against our
    kernels at HIGH (the float32 class starts at T 512).
+5. `chunk_states`: `output_chunk_states` (the state after every 1024
+   tokens) and the final state through the op, `chunked` against
+   `pallas` (by exact state passing over pieces; `auto` keeps `chunked`
+   for chunk-boundary states until timed).
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
 profile: on a CPU the kernels run in interpret mode, a check of the script,
@@ -73,6 +77,8 @@ def steps():
       ("short_t128", (1, 128, 32, 128), "bfloat16",
        auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
       ("float32_t256", (1, 256, 32, 128), "float32", f32[:2], both, 0),
+      ("chunk_states", (1, 8192, 32, 128), "bfloat16",
+       auto("chunked_chunkstates", "pallas_chunkstates"), both, 0),
   ]
 
 
