@@ -53,7 +53,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   model_lib.validate_mixer_sections(config.model)
   if config.mesh.context > 1:
     _check_context_parallel(config.model)
-  tasks_lib.make_task(**config.task.to_dict())  # the task's own checks
+  task = tasks_lib.make_task(**config.task.to_dict())  # the task's own checks
+  # Before any mesh is made (`make_mesh` compares the mesh with the host's
+  # devices): a config's own mistake is named on any host.
+  _check_seq_len_splits(task, config.mesh.context)
 
 
 def with_canonical_names(config: ml_collections.ConfigDict
@@ -84,6 +87,14 @@ def _check_context_parallel(model) -> None:
       raise ValueError(
           f"model.{section}.context_axis must be None: mesh.context sets it;"
           f" got {model[section].context_axis!r}.")
+
+
+def _check_seq_len_splits(task, context: int) -> None:
+  """ValueError unless the task's sequences split evenly over `context`
+  ranks (mesh.context)."""
+  config_checks.check("task.seq_len", task.seq_len % context == 0,
+                      f"a multiple of mesh.context ({context})",
+                      task.seq_len)
 
 
 def curriculum_shapes(config) -> list[tuple[int, int, int]]:
@@ -201,13 +212,10 @@ def build_program(config) -> Program:
   if key in _PROGRAMS:
     return _PROGRAMS[key]
   task = tasks_lib.make_task(**config.task.to_dict())
+  _check_seq_len_splits(task, config.mesh.context)
   mesh = make_mesh(config)
   model_config = config.model
-  context = config.mesh.context
-  if context > 1:
-    config_checks.check("task.seq_len", task.seq_len % context == 0,
-                        f"a multiple of mesh.context ({context})",
-                        task.seq_len)
+  if config.mesh.context > 1:
     # The mixers (KDA: its op and its convs) split T across ranks.
     model_config = copy.deepcopy(config.model)
     for section in model_lib.sections_with(config.model, "context_parallel"):

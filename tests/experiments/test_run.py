@@ -292,6 +292,17 @@ def test_bad_mesh_values_name_the_field(tmp_path, diff, error, match):
         config_lib.apply_diff(mqar.get_config("smoke"), diff), str(tmp_path))
 
 
+def test_a_mesh_the_task_cannot_split_is_refused_before_any_mesh():
+  # The config's own mistake, named whatever devices the host has: the
+  # check runs before `make_mesh` compares the mesh with them (on one TPU
+  # chip that came first, naming the device count instead).
+  config = config_lib.apply_diff(mqar.get_config("smoke"),
+                                 {"mesh.context": 3})
+  with pytest.raises(ValueError, match="task.seq_len must be a multiple of"
+                     r" mesh.context \(3\); got 64"):
+    train.validate_config(config)
+
+
 def test_ablation_writes_a_table_and_a_plot(tmp_path):
   summaries, table = ablate.run_ablation(
       mqar.get_config("smoke"), str(tmp_path), ["none", "attention"],
