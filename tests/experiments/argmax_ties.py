@@ -30,6 +30,7 @@ from experiments import tasks as tasks_lib
 from experiments.training import model as model_lib
 from experiments.training import program as program_lib
 from experiments.training import train
+from linear_attention import testing
 
 
 def _float64(tree):
@@ -61,7 +62,8 @@ def allowance(model, params_a, params_b, batches,
   tolerance = []
   for batch in batches:
     scored = batch["mask"] > 0
-    with jax.enable_x64(True):
+    # float64 on the host's CPU: a TPU emulates it (slowly).
+    with testing.float64_on_host():
       centre = [np.asarray(f64(p, batch["inputs"])) for p in params]
     low = [np.asarray(f32(jax.tree.map(np.float32, p), batch["inputs"]))
            for p in params]

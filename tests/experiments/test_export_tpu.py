@@ -35,6 +35,7 @@ from experiments.training import program as program_lib
 from linear_attention import ops
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import tokamax_kernel
+from tests import devices as test_devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -158,7 +159,10 @@ def test_serialized_size_without_flatbuffers():
 @pytest.mark.slow
 def test_sharded_step_exports_for_tpu_from_cpu_devices():
   # The XLA path on a 2 x 2 (data x context) mesh: the module is lowered for
-  # 4 TPU devices with the batch sharded over both axes.
+  # 4 TPU devices with the batch sharded over both axes. The mesh is of the
+  # default backend's devices: simulated CPU devices (tests/conftest.py);
+  # skipped on a single chip.
+  test_devices.devices(4)
   config = _config(**{"mesh.data": 2, "mesh.context": 2,
                       "task.seq_len": 128})
   report = export_tpu.export_train_step(config, "v6e")
@@ -174,6 +178,7 @@ def test_sharded_step_exports_for_tpu_from_cpu_devices():
 def test_data_parallel_mosaic_step_exports():
   # tokamax's pallas_calls do not trace under shard_map's check_vma=True;
   # the program turns it off for mosaic (shard_loss_fn(check_vma=False)).
+  test_devices.devices(2)  # a mesh of the default backend's devices
   report = export_tpu.export_train_step(
       _config(**{"model.kda.backend": "mosaic", "mesh.data": 2}), "v6e")
   assert export_tpu.problems(report) == []
@@ -183,6 +188,8 @@ def test_auto_backend_resolves_to_mosaic_for_the_chip_while_traced():
   # The layers resolve "auto" themselves inside lowering_mode (the target
   # device is the chip's, not this CPU's).
   for mesh_data in (1, 2):
+    if mesh_data > 1:  # a mesh of the default backend's devices
+      test_devices.devices(mesh_data)
     report = export_tpu.export_train_step(
         _config(**{"model.kda.backend": "auto", "mesh.data": mesh_data}),
         "v6e")
@@ -205,6 +212,7 @@ def test_bfloat16_mosaic_step_exports():
 def test_context_parallel_mosaic_step_exports():
   # tokamax's context-parallel kernel (K, V multiples of 128; the model's
   # unpacked rows reach it as one segment per row).
+  test_devices.devices(2)  # a mesh of the default backend's devices
   report = export_tpu.export_train_step(
       _config(**{"model.kda.backend": "mosaic", "mesh.context": 2,
                  "task.seq_len": 128, "model.kda.head_dim": 128}), "v6e")

@@ -115,18 +115,26 @@ def _kill_while_checkpointing(proc, workdir, timeout=120.0):
 @pytest.mark.slow
 def test_sigkill_at_random_moments_resumes_to_the_uninterrupted_run(
     tmp_path):
+  # The attempts share a compilation cache of their own, not the suite's
+  # (tests/conftest.py): a kill while a program is written may leave a cut
+  # entry, which a later attempt reads as a miss (a warning) and compiles.
+  # They run on the host's CPU (one process at a time holds a TPU), and so
+  # does the uninterrupted run they are compared with exactly: run by the
+  # same command, not in this process, whose default device may be a TPU.
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
   straight = str(tmp_path / "straight")
-  reference = train.train_and_evaluate(_config(), straight)
+  with open(tmp_path / "straight.log", "w") as log:
+    done = subprocess.run(_command(straight), cwd=REPO, env=env, stdout=log,
+                          stderr=subprocess.STDOUT, timeout=300, check=False)
+  assert done.returncode == 0, (tmp_path / "straight.log").read_text()[-3000:]
+  with open(os.path.join(straight, "summary.json")) as f:
+    reference = json.load(f)
   workdir = str(tmp_path / "killed")
   path = os.path.join(workdir, "metrics.jsonl")
   total = len(_scores(straight))
   rng = random.Random(0)
   kills = 0
-  # The attempts share a compilation cache of their own, not the suite's
-  # (tests/conftest.py): a kill while a program is written may leave a cut
-  # entry, which a later attempt reads as a miss (a warning) and compiles.
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
   for attempt in range(12):
     logged = _lines(path)  # the next attempt may drop some (resume)
     log = open(tmp_path / f"attempt{attempt}.log", "w")

@@ -27,8 +27,11 @@ from experiments.training import program as program_lib
 from experiments.training import train
 from linear_attention import testing
 from linear_attention.modules import mixer
+from linear_attention.modules import pinned
 from linear_attention.modules import registry
 from linear_attention.ops import checks
+from linear_attention.ops import precision
+from tests import lowered
 
 
 # --- the new mixer: what its own file would hold ----------------------------
@@ -47,13 +50,20 @@ class CumulativeMean(hk.Module):
     self.width = width
 
   def __call__(self, x, *, segment_ids=None, cache=None):
-    h = hk.Linear(self.width, name="w_in")(x)
+    # Every matmul pins its precision, as the library's modules do
+    # (linear_attention/modules/pinned.py): at the process default a TPU
+    # multiplies float32 in one bfloat16 pass, and the full forward's sum
+    # (a product of bfloat16-rounded operands) would then miss the cache's
+    # float32 cumsum by far more than the 1e-5 the cache test allows.
+    h = pinned.linear(x, self.width, precision="auto", name="w_in",
+                      with_bias=True)
     b, t, _ = h.shape
     if cache is None:
       ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
       seen = (jnp.tril(jnp.ones((t, t), bool))[None]
               & (ids[:, :, None] == ids[:, None, :]) & (ids[:, None, :] > 0))
-      total = jnp.einsum("bts,bsw->btw", seen.astype(h.dtype), h)
+      total = jnp.einsum("bts,bsw->btw", seen.astype(h.dtype), h,
+                         precision=precision.for_dtype("auto", h.dtype))
       count = seen.sum(-1, keepdims=True).astype(h.dtype)
       new_cache = None
     else:
@@ -61,7 +71,8 @@ class CumulativeMean(hk.Module):
       count = (cache.count[:, None, None]
                + jnp.arange(1, t + 1, dtype=h.dtype)[None, :, None])
       new_cache = MeanCache(total=total[:, -1], count=cache.count + t)
-    y = hk.Linear(x.shape[-1], name="w_out")(total / jnp.maximum(count, 1.0))
+    y = pinned.linear(total / jnp.maximum(count, 1.0), x.shape[-1],
+                      precision="auto", name="w_out", with_bias=True)
     if segment_ids is not None:
       y = jnp.where((segment_ids > 0)[..., None], y, 0.0)
     return y, new_cache
@@ -137,6 +148,11 @@ def test_its_cache_continues_the_sequence_like_the_full_forward(toy):
     pieces.append(logits)
   testing.assert_close(jnp.concatenate(pieces, axis=1), full,
                        rtol=testing.RTOL[np.dtype("float32")], name="logits")
+  # Both paths' matmuls keep their precision under any process default, in
+  # the program a TPU compiles (read on any host: tests/lowered.py).
+  lowered.pinned(f.apply, params, tokens)
+  lowered.pinned(lambda p, x, c: f.apply(p, x, None, c), params,
+                 tokens[:, :7], model_lib.init_cache(model, 2, max_len=11))
   # The attention layer's buffer bounds the cache; the toy's does not.
   assert model_lib.cache_positions(cache) == 11
   del toy

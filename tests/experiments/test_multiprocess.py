@@ -26,6 +26,7 @@ from configs import mqar
 from experiments.training import checkpoints
 from experiments.training import program as program_lib
 from experiments.training import train
+from tests import devices as test_devices
 from tests.experiments import argmax_ties
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -45,9 +46,29 @@ def _env(devices):
 
 
 def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A free TCP port on the loopback, or a skip naming why there is none
+  (a sandbox that allows none: the one-chip TPU host of tests/tpu.sh)."""
+  try:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      return s.getsockname()[1]
+  except OSError as e:
+    pytest.skip(f"needs a TCP socket on the loopback for jax.distributed's"
+                f" coordinator; this host refuses one ({e})")
+
+
+def _check_host():
+  """Skips unless this process's default backend is the CPU with 4
+  devices: the one-process reference runs here on a 2 x 2 mesh, and it is
+  compared with the two processes' CPU runs to rounding, so it must run on
+  the same platform (a TPU's float32 rounds otherwise); and the processes
+  need sockets (`_free_port`)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip(f"the two processes run on CPU devices (gloo) and are"
+                f" compared with this process's run, which must be on the"
+                f" CPU too; the default backend is {jax.default_backend()}")
+  test_devices.devices(4)
+  _free_port()
 
 
 def _run(args, env, log):
@@ -118,6 +139,7 @@ def _assert_same(config, actual, expected, saved, trace):
 
 @pytest.mark.slow
 def test_two_processes_match_one_and_resume(tmp_path):
+  _check_host()
   config = config_lib.apply_diff(
       mqar.get_config("smoke"), {"mesh.data": 2, "mesh.context": 2,
                                  "model.kda.backend": "reference"})

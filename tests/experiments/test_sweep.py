@@ -29,6 +29,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
 
+def _cpu_env():
+  """The environment of a command: on the host's CPU (one process at a time
+  holds a TPU, and this one may)."""
+  return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
 def test_the_kimi_synthetic_runs_are_valid_and_shared_where_equal():
   runs = sweep_lib.expand(kimi_synthetic.get_config())
   assert len({r.name for r in runs}) == len(runs)
@@ -447,7 +453,8 @@ def test_recall_bins_add_up_to_each_runs_accuracy(smoke_sweep, tmp_path):
       [sys.executable, "-m", "experiments.sweep",
        "--config=configs/sweeps/kimi_synthetic.py:smoke",
        f"--workdir={workdir}", "--recall", f"--only={SMOKE_ONLY}"],
-      cwd=REPO, capture_output=True, text=True, check=True)
+      cwd=REPO, capture_output=True, text=True, check=True,
+      env=_cpu_env())
   with open(os.path.join(workdir, "recall_vs_lag.json")) as f:
     prof = json.load(f)
   assert sorted(prof["runs"]) == [r.name for r in trained]
@@ -732,7 +739,8 @@ def test_sweep_cli_lists_runs(tmp_path):
       [sys.executable, "-m", "experiments.sweep",
        "--config=configs/sweeps/kimi_synthetic.py:smoke",
        f"--workdir={tmp_path}", "--list", "--only=palindrome_T32/"],
-      cwd=REPO, capture_output=True, text=True, check=True).stdout
+      cwd=REPO, capture_output=True, text=True, check=True,
+      env=_cpu_env()).stdout
   lines = out.strip().splitlines()
   assert len(lines) == 4 and all(l.startswith("todo  palindrome_T32/")
                                  for l in lines)
@@ -757,7 +765,8 @@ def test_sweep_cli_lists_where_each_run_stands(tmp_path):
       [sys.executable, "-m", "experiments.sweep",
        "--config=configs/sweeps/kimi_synthetic.py:smoke",
        f"--workdir={tmp_path}", "--list", "--only=palindrome_T32/"],
-      cwd=REPO, capture_output=True, text=True, check=True).stdout
+      cwd=REPO, capture_output=True, text=True, check=True,
+      env=_cpu_env()).stdout
   where = "step 4: held-out 37.5% (best 50.0%)"
   assert out.strip().splitlines() == [
       f"done  palindrome_T32/kda_seed0_lr0.003  {where}, plateaued",
