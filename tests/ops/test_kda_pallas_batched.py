@@ -327,18 +327,23 @@ def test_exponent_factors_match_float64(seed):
   assert errors["pairs"] <= 1.1e-5, errors
 
 
-def _pallas_grids(jaxpr):
-  """The grid of every pallas_call in `jaxpr` and its sub-jaxprs, in order."""
-  grids = []
+def _pallas_calls(jaxpr):
+  """Every pallas_call equation in `jaxpr` and its sub-jaxprs, in order."""
+  found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
-      grids.append(tuple(eqn.params["grid_mapping"].grid))
+      found.append(eqn)
     for param in eqn.params.values():
       for sub in param if isinstance(param, (list, tuple)) else [param]:
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
-          grids += _pallas_grids(sub)
-  return grids
+          found += _pallas_calls(sub)
+  return found
+
+
+def _pallas_grids(jaxpr):
+  """The grid of every pallas_call in `jaxpr` and its sub-jaxprs, in order."""
+  return [tuple(e.params["grid_mapping"].grid) for e in _pallas_calls(jaxpr)]
 
 
 def test_strided_gradients_of_bfloat16_inputs_and_gate():
@@ -360,16 +365,8 @@ def test_strided_gradients_of_bfloat16_inputs_and_gate():
 def _pallas_outputs(jaxpr):
   """The output dtypes of every pallas_call in `jaxpr` and its
   sub-jaxprs, in order."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      found.append(tuple(v.aval.dtype for v in eqn.outvars))
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          found += _pallas_outputs(sub)
-  return found
+  return [tuple(v.aval.dtype for v in e.outvars)
+          for e in _pallas_calls(jaxpr)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
