@@ -97,17 +97,17 @@ LANES = pallas_batched.LANES
 
 
 # The measured class (see the module docstring): per dtype, the heads a grid
-# step runs (H must be a multiple), the shortest T timed faster, and whether
-# packed segments were timed (bfloat16: with and without per-segment states).
+# step runs (H must be a multiple) and the shortest T timed faster; packed
+# segments, with and without per-segment states, were timed for both.
 AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
 # H enters only as grid rows of that step shape, so any multiple is taken
 # (bfloat16 timed at H16 and H32, float32 at H32).
 AUTO_CLASS = {
     # T 256, 512, 1024, 2048, 4096 and 8192; 1024-token documents at T 8192.
-    "bfloat16": dict(heads=16, min_t=256, segments=True),
+    "bfloat16": dict(heads=16, min_t=256),
     # T 512, 1024 and 8192, 1024-token documents at T 8192, at HIGH
     # (FLOAT32_AUTO).
-    "float32": dict(heads=8, min_t=512, segments=True),
+    "float32": dict(heads=8, min_t=512),
 }
 # Per-segment states lay every run out from a chunk edge, which adds up to
 # N (C - 1) tokens to the grid: timed at N = 8 and T 8192 (504 tokens, a
@@ -172,7 +172,6 @@ def auto_declines(target: backends.Target,
       or t < cls["min_t"] or call.precision != "auto"
       or call.chunk_size not in (None, DEFAULT_CHUNK)
       or not call.use_qk_l2norm
-      or (call.segment_ids is not None and not cls["segments"])
       or (_segment_states(call) and call.max_num_segments
           * (DEFAULT_CHUNK - 1) * AUTO_MAX_STATES_GROWTH > t)
       or call.context_axis is not None or call.output_chunk_states):
@@ -190,13 +189,12 @@ def auto_declines(target: backends.Target,
 def _class_text() -> str:
   """The measured class in words (`AUTO_CLASS`)."""
   per_dtype = "; ".join(
-      f"{name} with H a multiple of {c['heads']}, T >= {c['min_t']} and"
-      + (" packed segments (with per-segment states: max_num_segments"
-         f" x {DEFAULT_CHUNK - 1} <= T / {AUTO_MAX_STATES_GROWTH}) or none"
-         if c["segments"] else " no packed segments")
+      f"{name} with H a multiple of {c['heads']} and T >= {c['min_t']}"
       for name, c in AUTO_CLASS.items())
   return (f"precision 'auto', K = V = {LANES}, {DEFAULT_CHUNK}-token chunks,"
-          f" the q/k L2 norm, no context axis and no chunk-boundary states:"
+          f" the q/k L2 norm, no context axis and no chunk-boundary states,"
+          f" packed segments (with per-segment states: max_num_segments"
+          f" x {DEFAULT_CHUNK - 1} <= T / {AUTO_MAX_STATES_GROWTH}) or none:"
           f" {per_dtype}")
 
 
