@@ -1320,7 +1320,8 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
 def _gate_lanes(a_log, dt_bias, kd):
   """The fused gate's exp(a_log) per lane and dt_bias, as [1, H*K] rows."""
   h = a_log.shape[0]
-  rate = jnp.repeat(jnp.exp(a_log.astype(_F32)), kd).reshape(1, h * kd)
+  # `gates.exp`, as `gates.kda_log_decay` (the unfused path) takes it.
+  rate = jnp.repeat(gates.exp(a_log.astype(_F32)), kd).reshape(1, h * kd)
   return [rate, dt_bias.astype(_F32).reshape(1, h * kd)]
 
 
