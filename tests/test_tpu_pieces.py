@@ -45,8 +45,13 @@ def test_dies_the_first_time():
 def test_a_cut_piece_resumes_from_its_ledger(tmp_path):
   (tmp_path / "test_crashy.py").write_text(CRASHY)
   ledger = tmp_path / "tpu-ledger-ops_kda.tsv"
+  # The repository ahead of the caller's path (a TPU host brings its
+  # packages by PYTHONPATH); the child on the CPU (the parent may hold a
+  # chip).
+  path = os.pathsep.join(filter(None, [str(ROOT),
+                                       os.environ.get("PYTHONPATH")]))
   env = dict(os.environ, LINEAR_ATTENTION_TEST_LEDGER=str(ledger),
-             PYTHONPATH=str(ROOT), TPU_JUNIT_DIR=str(tmp_path))
+             PYTHONPATH=path, TPU_JUNIT_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
   run = lambda: subprocess.run(
       [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p",
        "no:cacheprovider", "-p", "no:xdist", "-q", "test_crashy.py"],
