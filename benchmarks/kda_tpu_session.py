@@ -14,30 +14,23 @@ go to `--trace_dir` (a temporary folder by default), not to DIR.
 
 Steps (docs/kernel.md, "Next"; bfloat16 and B1 H32 K128 unless named).
 The sessions before decided the fused backward, float32's three passes,
-`auto`'s class on a v5e, the strided forward for calls that are not
-differentiated, the grid step's shape and the exponent factors
-(`kda_tpu_session_v5e.json`, `kda_tpu_session_decisions_v5e.json`,
+`auto`'s class on a v5e, the strided kernels' classes, the grid step's
+shape and the exponent factors (`kda_tpu_session_v5e.json`,
+`kda_tpu_session_decisions_v5e.json`,
 `kda_tpu_session_segment_states_v5e.json`,
-`kda_tpu_session_split_grid_classes_v5e.json` in benchmarks/results);
-these are the steps still owed:
+`kda_tpu_session_split_grid_classes_v5e.json`,
+`kda_tpu_session_strided_rows_v5e.json` in benchmarks/results); these are
+the steps still owed:
 
-1. `strided_rows`, `strided_rows_b8`: the strided kernels, whose 16-bit
-   output and gradients now go through a float32 scratch in the kernel
-   (before: float32 rows through HBM and casts after, 0.31 ms of the
-   forward's 2.18 and 1.23 of the forward+backward's 7.49 at B1 T8192
-   H32), against the 16-heads-a-step pair at B1 T8192 H32 and B8 T4096
-   H16: the strided pair for differentiated calls too if faster.
-2. `strided_t2048`, `strided_t1024`: the strided forward against the
-   16-heads-a-step forward at T 2048 and 1024 (timed faster at T 4096 and
-   8192 only, `pallas.STRIDED_PRIMAL`): the strided primal's class.
-3. `short_t128`: T 128, `chunked`, our kernels and tokamax's (`auto`'s
-   bfloat16 class starts at T 256).
-4. `float32_t256`: float32 at T 256, `chunked` at "auto" against our
-   kernels at HIGH (the float32 class starts at T 512).
-5. `chunk_states`: `output_chunk_states` (the state after every 1024
-   tokens) and the final state through the op, `chunked` against
-   `pallas` (by exact state passing over pieces; `auto` keeps `chunked`
-   for chunk-boundary states until timed).
+1. `strided_pair_t2048`, `strided_pair_t1024`: forward+backward, the
+   strided kernels against 16 heads a step (both kernels run strided from
+   T 4096 only, `pallas.STRIDED`, where they were timed faster).
+2. `short_t64`: T 64 (one chunk), `chunked`, our kernels and tokamax's
+   (`auto`'s bfloat16 class starts at T 128).
+3. `float32_t128`: float32 at T 128, `chunked` at "auto" against our
+   kernels at HIGH (the float32 class starts at T 256).
+4. `strided_rows`: B1 T8192 H32 again, both passes, strided against 16
+   heads a step: the traces for the gaps between the program's ops.
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
 profile: on a CPU the kernels run in interpret mode, a check of the script,
@@ -66,19 +59,15 @@ def steps():
   f32 = [("chunked", "auto"), ("batched_fused", "high"),
          ("batched_fused", "default")]
   return [
+      ("strided_pair_t2048", (1, 2048, 32, 128), "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd_bwd",), 0),
+      ("strided_pair_t1024", (1, 1024, 32, 128), "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd_bwd",), 0),
+      ("short_t64", (1, 64, 32, 128), "bfloat16",
+       auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
+      ("float32_t128", (1, 128, 32, 128), "float32", f32[:2], both, 0),
       ("strided_rows", (1, 8192, 32, 128), "bfloat16",
        auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
-      ("strided_rows_b8", (8, 4096, 16, 128), "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
-      ("strided_t2048", (1, 2048, 32, 128), "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
-      ("strided_t1024", (1, 1024, 32, 128), "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_fused"), ("fwd",), 0),
-      ("short_t128", (1, 128, 32, 128), "bfloat16",
-       auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
-      ("float32_t256", (1, 256, 32, 128), "float32", f32[:2], both, 0),
-      ("chunk_states", (1, 8192, 32, 128), "bfloat16",
-       auto("chunked_chunkstates", "pallas_chunkstates"), both, 0),
   ]
 
 

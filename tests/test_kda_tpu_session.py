@@ -36,12 +36,13 @@ def _run(tmp_path, *flags):
 
 @pytest.mark.slow
 def test_smoke_profiles_a_step(tmp_path):
-  steps = _run(tmp_path, "--steps=strided_t1024", "--budget_s=900")
-  assert list(steps) == ["strided_t1024"]
-  assert set(steps["strided_t1024"]["results"]) == {
+  steps = _run(tmp_path, "--steps=strided_rows", "--passes=fwd",
+               "--budget_s=900")
+  assert list(steps) == ["strided_rows"]
+  assert set(steps["strided_rows"]["results"]) == {
       f"{impl}_fwd" for impl in ("batched_hb16_fused",
                                  "batched_strided_fused")}
-  for key, r in steps["strided_t1024"]["results"].items():
+  for key, r in steps["strided_rows"]["results"].items():
     assert "error" not in r and "skipped" not in r, (key, r)
     assert r["wall_ms_per_call"] and "ops" in r, key
 
@@ -65,10 +66,11 @@ def test_every_step_names_implementations_that_trace():
 
 
 def test_a_spent_budget_skips_and_records_every_profile(tmp_path):
-  steps = _run(tmp_path, "--steps=strided_t2048,float32_t256",
+  steps = _run(tmp_path, "--steps=strided_pair_t2048,float32_t128",
                "--budget_s=1", "--reserve_s=60")
   keys = {k for s in steps.values() for k in s["results"]}
-  assert keys == {"batched_hb16_fused_fwd", "batched_strided_fused_fwd"} | {
+  assert keys == {"batched_hb16_fused_fwd_bwd",
+                  "batched_strided_fused_fwd_bwd"} | {
       f"{impl}_{p}{at}" for impl, at in (("chunked", ""),
                                          ("batched_fused", "@high"))
       for p in ("fwd", "fwd_bwd")}

@@ -28,7 +28,7 @@ from linear_attention.ops.kda import common
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import precision as precision_lib
 from tests.ops.test_kda import Case, GRAD_ARGS, loss_and_grads, make_inputs
-from tests.ops.test_kda_pallas_batched import F32_OP_BOUNDS
+from tests.ops.test_kda_pallas_batched import F32_OP_BOUNDS, pallas_grids
 
 RTOL_F32 = 1e-5
 ON_TPU = not testing.pallas_interpret()  # the compiled kernels run
@@ -245,17 +245,23 @@ _IDS = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
     (_call(segment_ids=_IDS, max_num_segments=8, output_final_state=True),
      "pallas"),
     (_call(t=256, h=32), "pallas"),
+    (_call(t=128, h=32), "pallas"),
+    (_call(t=128), "pallas"),
+    (_call(t=8192, h=32, output_chunk_states=True, chunk_states_every=1024),
+     "pallas"),
+    (_call(output_chunk_states=True, chunk_states_every=2048), "pallas"),
     (_call(dtype="float32", h=32), "pallas"),
     (_call(dtype="float32", h=8, t=1024), "pallas"),
     (_call(dtype="float32", h=32, t=512), "pallas"),
+    (_call(dtype="float32", h=32, t=256), "pallas"),
     (_call(dtype="float32", segment_ids=_IDS), "pallas"),
     (_call(dtype="float32", segment_ids=_IDS, max_num_segments=8,
            output_final_state=True), "pallas"),
     # Outside it on a v5e: tokamax's kernel refuses the v5e, so chunked.
-    (_call(t=255, h=32), "chunked"),
-    (_call(t=128), "chunked"),
+    (_call(t=127, h=32), "chunked"),
+    (_call(t=64), "chunked"),
     (_call(h=8), "chunked"),
-    (_call(dtype="float32", t=511, h=32), "chunked"),
+    (_call(dtype="float32", t=255, h=32), "chunked"),
     (_call(dtype="float32", h=4), "chunked"),
     # Per-segment states whose layout would add more than T / 8 tokens.
     (_call(segment_ids=_IDS, max_num_segments=9, output_final_state=True),
@@ -267,7 +273,11 @@ _IDS = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
     (_call(lower_bound=None, use_gate_in_kernel=False), "chunked"),
     (_call(chunk_size=32), "chunked"),
     (_call(use_qk_l2norm=False), "chunked"),
+    # Chunk-boundary states closer than timed, or in float32 (untimed).
     (_call(output_chunk_states=True), "chunked"),
+    (_call(output_chunk_states=True, chunk_states_every=512), "chunked"),
+    (_call(dtype="float32", output_chunk_states=True,
+           chunk_states_every=1024), "chunked"),
     # Not timed on other chips: the v6e keeps tokamax's kernel.
     (_call(kind="TPU v6 lite"), "tokamax"),
 ])
@@ -278,22 +288,46 @@ def test_auto_picks_the_kernels_in_their_measured_class(call, expected):
   assert bool(passed_over) == (expected != "pallas"), passed_over
 
 
-@pytest.mark.parametrize("call, expected", [
-    # Timed: bfloat16 B1 T8192 H32 and B8 T4096 H16.
-    (_call(), True),
-    (_call(t=8192, h=32), True),
-    (_call(t=4095), False),
-    (_call(h=48), False),  # all heads a step: untimed above 32
-    (_call(h=8), False),
-    (_call(dtype="float32"), False),
-    (_call(segment_ids=_IDS), False),
-    (_call(chunk_size=32), False),
-    (_call(kd=256), False),
+@pytest.mark.parametrize("call, strided, primal", [
+    # Both kernels strided: timed at bfloat16 B1 T8192 H32 and B8 T4096 H16.
+    (_call(), True, False),
+    (_call(t=8192, h=32), True, False),
+    # The strided forward for calls not differentiated: timed at B1 H32
+    # T1024 and T2048.
+    (_call(t=4095), False, True),
+    (_call(t=1024, h=32), False, True),
+    (_call(t=1023, h=32), False, False),
+    (_call(h=48), False, False),  # all heads a step: untimed above 32
+    (_call(h=8), False, False),
+    (_call(dtype="float32"), False, False),
+    (_call(segment_ids=_IDS), False, False),
+    (_call(chunk_size=32), False, False),
+    (_call(kd=256), False, False),
 ])
-def test_a_call_not_differentiated_runs_the_strided_forward_where_timed(
-    call, expected):
+def test_the_strided_kernels_run_where_timed(call, strided, primal):
   pallas = api.BACKENDS.backends["pallas"]
-  assert pallas.strided_primal(call) == expected
+  assert (pallas.strided(call), pallas.strided_primal(call)) == (
+      strided, primal)
+
+
+@pytest.mark.parametrize("t, forward, backward", [
+    (4096, [(1, 64)], [(1, 64), (1, 64)]),  # both kernels strided
+    (2048, [(1, 32)], [(2, 32), (2, 32)]),  # the strided forward alone
+    (512, [(2, 8)], [(2, 8), (2, 8)]),  # 16 heads a step throughout
+])
+def test_the_op_runs_the_strided_kernels_by_the_class(t, forward, backward):
+  # Through the op on backend "pallas": the pallas_calls' grids, forward
+  # and under a gradient (rows: one for all 32 heads a step, two for 16).
+  x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  q = x(1, t, 32, 128)
+  kw = dict(a_log=jnp.zeros(32), dt_bias=jnp.zeros(32 * 128),
+            lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm=True,
+            backend="pallas")
+  run = lambda q: ops.kimi_delta_attention(q, q, q, q, q[..., 0], **kw)[0]
+  loss = lambda q: jnp.sum(run(q).astype(jnp.float32))
+  with kernels():
+    assert pallas_grids(jax.make_jaxpr(run)(q).jaxpr) == forward
+    assert pallas_grids(jax.make_jaxpr(jax.grad(loss))(q).jaxpr) == backward
 
 
 def test_float32_auto_packed_segments_and_their_states_keep_the_op_bounds():

@@ -327,7 +327,7 @@ def test_exponent_factors_match_float64(seed):
   assert errors["pairs"] <= 1.1e-5, errors
 
 
-def _pallas_calls(jaxpr):
+def pallas_calls(jaxpr):
   """Every pallas_call equation in `jaxpr` and its sub-jaxprs, in order."""
   found = []
   for eqn in jaxpr.eqns:
@@ -337,13 +337,13 @@ def _pallas_calls(jaxpr):
       for sub in param if isinstance(param, (list, tuple)) else [param]:
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
-          found += _pallas_calls(sub)
+          found += pallas_calls(sub)
   return found
 
 
-def _pallas_grids(jaxpr):
+def pallas_grids(jaxpr):
   """The grid of every pallas_call in `jaxpr` and its sub-jaxprs, in order."""
-  return [tuple(e.params["grid_mapping"].grid) for e in _pallas_calls(jaxpr)]
+  return [tuple(e.params["grid_mapping"].grid) for e in pallas_calls(jaxpr)]
 
 
 def test_strided_gradients_of_bfloat16_inputs_and_gate():
@@ -366,7 +366,7 @@ def _pallas_outputs(jaxpr):
   """The output dtypes of every pallas_call in `jaxpr` and its
   sub-jaxprs, in order."""
   return [tuple(v.aval.dtype for v in e.outvars)
-          for e in _pallas_calls(jaxpr)]
+          for e in pallas_calls(jaxpr)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -402,7 +402,7 @@ def test_a_strided_forward_hands_its_backward_to_unstrided_blocks():
         interpret=INTERPRET)
     return jnp.sum(o) + jnp.sum(s)
 
-  assert _pallas_grids(jax.make_jaxpr(jax.grad(loss))(q).jaxpr) == [
+  assert pallas_grids(jax.make_jaxpr(jax.grad(loss))(q).jaxpr) == [
       (1, 2), (2, 2)]
 
 
@@ -426,8 +426,8 @@ def test_strided_primal_runs_the_strided_forward_only_undifferentiated(dtype):
 
   args = (q, k, v, g, beta, s0, a_log, dt_bias)
   loss = lambda *a: jnp.sum(run(*a)[0].astype(jnp.float32))
-  assert _pallas_grids(jax.make_jaxpr(run)(*args).jaxpr) == [(1, 2)]
-  assert _pallas_grids(jax.make_jaxpr(jax.grad(loss))(*args).jaxpr) == [
+  assert pallas_grids(jax.make_jaxpr(run)(*args).jaxpr) == [(1, 2)]
+  assert pallas_grids(jax.make_jaxpr(jax.grad(loss))(*args).jaxpr) == [
       (2, 2), (2, 2)]
   (out, grads), (out64, grads64) = _raw_pair(
       100, gated=True, l2norm=True, h=4, dtype=dtype,

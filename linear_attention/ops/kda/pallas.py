@@ -32,35 +32,45 @@ over it):
 than every other backend on a chip (`auto_declines`, `AUTO_CLASS`;
 docs/kernel.md and the `kda_tpu_session*_v5e.json` files in
 benchmarks/results): a TPU v5e, precision "auto", K = V = 128, 64-token
-chunks, the q/k L2 norm, no context axis and no chunk-boundary states, and
-  * bfloat16 with H a multiple of 16 and T >= 256,
-  * float32 with H a multiple of 8 and T >= 512,
+chunks, the q/k L2 norm, no context axis, and
+  * bfloat16 with H a multiple of 16 and T >= 128, with chunk-boundary
+    states at least 1024 tokens apart or none,
+  * float32 with H a multiple of 8 and T >= 256, without chunk-boundary
+    states,
   each with packed segments, with or without per-segment states
   (max_num_segments x 63 <= T / 8: the realigned layout's extra grid at
   most an eighth), or none.
 There, in device time forward and forward+backward, bfloat16: B1 T8192 H32
-2.6 and 6.9 ms (the chunked backend 5.8 and 26.9; tokamax's kernel 4.0 and
-12.1), B8 T4096 H16 5.4 and 14.0 ms (tokamax 8.6 and 27.2), B1 T1024 H32
-0.28 and 0.83 ms (chunked 0.73 and 2.79, tokamax 0.43 and 1.39), B1 T512
-H32 0.14 and 0.42 ms (chunked 0.37 and 1.37, tokamax 0.22 and 0.72), B1
-T256 H32 0.08 and 0.21 ms (chunked 0.18 and 0.70, tokamax 0.11 and 0.35),
-B1 T8192 H32 packed with 1024-token documents 2.7 and 7.2 ms (chunked 10.7
-and 39.1), and with their per-segment states 5.7 and 14.8 ms (chunked 52.1
-and 118.9); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and
-47.7), T1024 0.66 and 1.86 ms (chunked 1.46 and 5.31), T512 0.33 and 0.91
-ms (chunked 0.71 and 2.51), T8192 packed with 1024-token documents 6.4 and
-16.1 ms (chunked 16.9 and 62.8), with their per-segment states 11.7 and
-30.6 ms (chunked 60.8 and 138.3). Elsewhere (T below those, H not a
-multiple, a context axis, chunk-boundary states, other chips) it has not
-been timed against the others, so "auto" passes over it;
+1.9 and 6.4 ms strided (the chunked backend 5.8 and 26.9; tokamax's kernel
+4.0 and 12.1), B8 T4096 H16 3.5 and 11.7 ms strided (tokamax 8.6 and
+27.2), B1 T1024 H32 0.28 and 0.83 ms (chunked 0.73 and 2.79, tokamax 0.43
+and 1.39), B1 T512 H32 0.14 and 0.42 ms (chunked 0.37 and 1.37, tokamax
+0.22 and 0.72), B1 T256 H32 0.08 and 0.21 ms (chunked 0.18 and 0.70,
+tokamax 0.11 and 0.35), B1 T128 H32 0.04 and 0.10 ms (chunked 0.09 and
+0.35, tokamax 0.05 and 0.18), B1 T8192 H32 packed with 1024-token
+documents 2.7 and 7.2 ms (chunked 10.7 and 39.1), and with their
+per-segment states 5.7 and 14.8 ms (chunked 52.1 and 118.9), B1 T8192 H32
+with the state after every 1024 tokens 12.7 and 43.2 ms (chunked 58.2 and
+149.9); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and 47.7),
+T1024 0.66 and 1.86 ms (chunked 1.46 and 5.31), T512 0.33 and 0.91 ms
+(chunked 0.71 and 2.51), T256 0.17 and 0.45 ms (chunked 0.36 and 1.24),
+T8192 packed with 1024-token documents 6.4 and 16.1 ms (chunked 16.9 and
+62.8), with their per-segment states 11.7 and 30.6 ms (chunked 60.8 and
+138.3). Elsewhere (T below those, H not a multiple, a context axis,
+closer chunk-boundary states, other chips) it has not been timed against
+the others, so "auto" passes over it;
 `backend="pallas"` runs it wherever `supports` allows.
 
-A bfloat16 call that is not differentiated runs the strided forward (all
-heads a grid step, no relayout around the kernel; `STRIDED_PRIMAL`) where
-it was timed faster, and a differentiated one the 16-heads-a-step forward
-and backward: at B1 T8192 H32 the strided forward takes 2.18 ms of device
-time against 2.58, but with its own backward 7.49 ms against 6.90 (7.26
-with the 16-heads backward after it); at B8 T4096 H16 4.11 against 5.37.
+bfloat16 calls with K = V = 128, H 16 or 32 and no packed segments read
+and write the op's layout as rows, all heads a grid step, with no relayout
+around the kernels (`STRIDED`, `STRIDED_PRIMAL`; on any TPU, an explicit
+`backend="pallas"` included). From T 4096 both kernels run strided: at B1
+T8192 H32 the forward takes 1.90 ms of device time against 2.58 for 16
+heads a step, forward+backward 6.42 against 6.90; at B8 T4096 H16 3.53
+against 5.37 and 11.66 against 13.99. From T 1024 a call that is not
+differentiated runs the strided forward (B1 H32: T2048 0.48 ms against
+0.57, T1024 0.25 against 0.28) and a differentiated one the 16-heads pair
+(the strided backward was not timed below T 4096).
 
 float32 inputs at precision "auto" run every group at HIGH (three bfloat16
 passes, `FLOAT32_AUTO`), not HIGHEST (six): within the op's float32 bounds
@@ -103,22 +113,25 @@ AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
 # H enters only as grid rows of that step shape, so any multiple is taken
 # (bfloat16 timed at H16 and H32, float32 at H32).
 AUTO_CLASS = {
-    # T 256, 512, 1024, 2048, 4096 and 8192; 1024-token documents at T 8192.
-    "bfloat16": dict(heads=16, min_t=256),
-    # T 512, 1024 and 8192, 1024-token documents at T 8192, at HIGH
-    # (FLOAT32_AUTO).
-    "float32": dict(heads=8, min_t=512),
+    # T 128, 256, 512, 1024, 2048, 4096 and 8192; 1024-token documents at
+    # T 8192; the state after every 1024 tokens at T 8192.
+    "bfloat16": dict(heads=16, min_t=128, chunk_states_every=1024),
+    # T 256, 512, 1024 and 8192, 1024-token documents at T 8192, at HIGH
+    # (FLOAT32_AUTO); chunk-boundary states not timed.
+    "float32": dict(heads=8, min_t=256, chunk_states_every=None),
 }
 # Per-segment states lay every run out from a chunk edge, which adds up to
 # N (C - 1) tokens to the grid: timed at N = 8 and T 8192 (504 tokens, a
 # sixteenth), so the class takes N (C - 1) <= T / 8.
 AUTO_MAX_STATES_GROWTH = 8
 AUTO_HEADS_PER_BLOCK = AUTO_CLASS["bfloat16"]["heads"]  # 16 beat 8 (bf16)
-# Where a call that is not differentiated runs the strided forward (the
-# module docstring; `kda_tpu_session_split_grid_classes_v5e.json`): timed
-# at B1 T8192 H32 and B8 T4096 H16, so H 16 or 32 (all heads a step is
-# VMEM), T from 4096, bfloat16, K = V = 128, no packed segments.
-STRIDED_PRIMAL = dict(dtype="bfloat16", heads=(16, 32), min_t=4096)
+# Where both kernels run strided, and where a call that is not
+# differentiated runs the strided forward (the module docstring;
+# `kda_tpu_session_strided_rows_v5e.json`): timed at H 16 and 32 (all heads
+# a step is VMEM), bfloat16, K = V = 128, no packed segments (strided reads
+# have none).
+STRIDED = dict(dtype="bfloat16", heads=(16, 32), min_t=4096)
+STRIDED_PRIMAL = dict(dtype="bfloat16", heads=(16, 32), min_t=1024)
 # float32 at precision "auto" (the module docstring).
 FLOAT32_AUTO = precision_lib.Precisions.every(Precision.HIGH)
 
@@ -174,7 +187,8 @@ def auto_declines(target: backends.Target,
       or not call.use_qk_l2norm
       or (_segment_states(call) and call.max_num_segments
           * (DEFAULT_CHUNK - 1) * AUTO_MAX_STATES_GROWTH > t)
-      or call.context_axis is not None or call.output_chunk_states):
+      or call.context_axis is not None
+      or not _chunk_states_timed(call, cls)):
     return (f"measured faster only for {_class_text()}; got"
             f" {call.q.dtype.name}, precision {call.precision!r}, K={kd},"
             f" V={vd}, H={h}, T={t}, chunk_size={call.chunk_size},"
@@ -182,17 +196,29 @@ def auto_declines(target: backends.Target,
             f" {call.segment_ids is not None}, per-segment states:"
             f" {_segment_states(call)} (max_num_segments="
             f"{call.max_num_segments}), context_axis={call.context_axis},"
-            f" output_chunk_states={call.output_chunk_states}")
+            f" output_chunk_states={call.output_chunk_states}"
+            f" (chunk_states_every={call.chunk_states_every})")
   return None
+
+
+def _chunk_states_timed(call: common.Call, cls) -> bool:
+  """No chunk-boundary states, or states as far apart as timed."""
+  every = cls["chunk_states_every"]
+  return not call.output_chunk_states or (
+      every is not None and call.chunk_states_every >= every)
 
 
 def _class_text() -> str:
   """The measured class in words (`AUTO_CLASS`)."""
+  def states(c):
+    return (f"chunk-boundary states at most every {c['chunk_states_every']}"
+            " tokens apart or none" if c["chunk_states_every"]
+            else "no chunk-boundary states")
   per_dtype = "; ".join(
-      f"{name} with H a multiple of {c['heads']} and T >= {c['min_t']}"
-      for name, c in AUTO_CLASS.items())
+      f"{name} with H a multiple of {c['heads']}, T >= {c['min_t']} and"
+      f" {states(c)}" for name, c in AUTO_CLASS.items())
   return (f"precision 'auto', K = V = {LANES}, {DEFAULT_CHUNK}-token chunks,"
-          f" the q/k L2 norm, no context axis and no chunk-boundary states,"
+          f" the q/k L2 norm, no context axis,"
           f" packed segments (with per-segment states: max_num_segments"
           f" x {DEFAULT_CHUNK - 1} <= T / {AUTO_MAX_STATES_GROWTH}) or none:"
           f" {per_dtype}")
@@ -210,15 +236,23 @@ def heads_per_block(call: common.Call) -> int | None:
   return None
 
 
+def strided(call: common.Call) -> bool:
+  """Whether the call runs the strided forward and backward (`STRIDED`)."""
+  return _in_strided_class(call, STRIDED)
+
+
 def strided_primal(call: common.Call) -> bool:
-  """Whether a call that is not differentiated runs the strided forward
-  (`STRIDED_PRIMAL`; on any TPU, an explicit `backend="pallas"` included,
-  as `heads_per_block`)."""
+  """Whether a call that is not differentiated runs the strided forward and
+  a differentiated one the 16-heads-a-step pair (`STRIDED_PRIMAL`, below
+  `STRIDED`)."""
+  return _in_strided_class(call, STRIDED_PRIMAL) and not strided(call)
+
+
+def _in_strided_class(call: common.Call, cls) -> bool:
   _, t, h, kd = call.q.shape
-  return (call.q.dtype.name == STRIDED_PRIMAL["dtype"]
-          and h in STRIDED_PRIMAL["heads"] and t >= STRIDED_PRIMAL["min_t"]
-          and kd == LANES and call.v.shape[-1] == LANES
-          and call.segment_ids is None
+  return (call.q.dtype.name == cls["dtype"] and h in cls["heads"]
+          and t >= cls["min_t"] and kd == LANES
+          and call.v.shape[-1] == LANES and call.segment_ids is None
           and (call.chunk_size or DEFAULT_CHUNK) == DEFAULT_CHUNK)
 
 
@@ -263,8 +297,9 @@ def _run_one(call: common.Call):
         use_qk_l2norm=call.use_qk_l2norm,
         precision=precisions(call),
         chunk=call.chunk_size or DEFAULT_CHUNK,
-        heads_per_block=heads_per_block(call),
-        strided_primal=strided_primal(call), segment_ids=call.segment_ids,
+        heads_per_block=None if strided(call) else heads_per_block(call),
+        strided=strided(call), strided_primal=strided_primal(call),
+        segment_ids=call.segment_ids,
         num_segments=n, interpret=call.target.off_tpu_mode == "interpret")
 
   if not states:
