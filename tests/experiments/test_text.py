@@ -1,7 +1,8 @@
 """The byte-level text task: corpus split, packed windows, training on it.
 
-Each test writes its own small corpus (files of printable bytes); the
-windows are checked against the files read back independently.
+Each test writes its own small corpus (files of printable bytes), or reads
+the module's one trained run on one (`text_run`); the windows are checked
+against the files read back independently.
 """
 
 import json
@@ -58,6 +59,40 @@ def _stream(root, held_out):
   return np.frombuffer(data, np.uint8), np.asarray(owner)
 
 
+def _same_bytes_config(root, cache, lengths=(64, 128), score_last=16):
+  config = text_config.get_config("smoke")
+  config.task.source_dir = root
+  config.task.cache_dir = cache
+  config.train.eval_lengths = lengths
+  config.train.eval_score_last = score_last
+  config.train.eval_batches = 2
+  return config
+
+
+# The xdist group of the tests that read `text_run`: one worker, one
+# training. Where the group is not honoured (pytest-xdist 3.8.0 under
+# pytest 9.2 drops it: pytest-xdist#1386) each worker trains the run once,
+# the second finding its programs in the suite's compilation cache.
+TEXT_RUN = "text_run"
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+  """(source dir, config, workdir, summary): one smoke run, trained once per
+  test process for the tests that read a finished run (its record, the
+  text it generates, its bits per byte by hand); training is most of their
+  time. Held-out bits per byte at T = 32, 64 and 128, every length scoring
+  the last 16 bytes of one batch of 4 windows (the smoke config's batch:
+  its programs at T = 32 and 64 are the smoke sweep's). A test that
+  changes the source dir puts it back."""
+  tmp = tmp_path_factory.mktemp("text_run")
+  root = _corpus(str(tmp / "src"), n=400)
+  config = _same_bytes_config(root, str(tmp / "cache"))
+  config.train.eval_batches = 1
+  workdir = str(tmp / "run")
+  return root, config, workdir, train.train_and_evaluate(config, workdir)
+
+
 def test_windows_are_the_files_packed_with_their_boundaries(tmp_path):
   root = _corpus(str(tmp_path / "src"))
   task = tasks.make_task(name="text", seq_len=64, source_dir=root,
@@ -91,14 +126,10 @@ def test_held_out_files_are_not_trained_on():
   assert 0.01 < len(held) / len(rels) < 0.03
 
 
-def test_text_run_records_its_corpus_and_refuses_another(tmp_path):
-  root = _corpus(str(tmp_path / "src"))
-  config = text_config.get_config("smoke")
-  config.task.source_dir = root
-  config.task.cache_dir = str(tmp_path / "cache")
-  workdir = str(tmp_path / "run")
-  summary = train.train_and_evaluate(config, workdir)
-  assert summary["corpus"]["files"] == 300
+@pytest.mark.xdist_group(TEXT_RUN)
+def test_text_run_records_its_corpus_and_refuses_another(text_run):
+  root, config, workdir, summary = text_run
+  assert summary["corpus"]["files"] == 400
   assert set(summary["length_loss"]) == {
       str(n) for n in config.train.eval_lengths}
   with open(os.path.join(workdir, "corpus.json")) as f:
@@ -106,11 +137,15 @@ def test_text_run_records_its_corpus_and_refuses_another(tmp_path):
   # Generation from the run: the CLI prints the prompt and its continuation
   # (the workdir given relative to where it runs). It runs on the host's
   # CPU: one process at a time holds a TPU, and this one may.
+  # `--compilation_cache_dir=`: nothing under ~/.cache; the environment
+  # names the test's cache, where continue_text below finds the CLI's
+  # compiled generate (a cached program is the compiled one, bit for bit).
   out = subprocess.run(
       [sys.executable, "-m", "experiments.generate",
        f"--workdir={os.path.relpath(workdir, REPO)}",
        "--prompt=def f(", "--max_new_tokens=12", "--temperature=0.8",
-       "--top_k=5", "--seed=1"], cwd=REPO, capture_output=True, text=True,
+       "--top_k=5", "--seed=1", "--compilation_cache_dir="], cwd=REPO,
+      capture_output=True, text=True,
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith("def f(") and len(out.stdout) > len("def f(")
@@ -126,12 +161,25 @@ def test_text_run_records_its_corpus_and_refuses_another(tmp_path):
   with pytest.raises(ValueError, match="temperature"):
     generation.continue_text(workdir, "x", max_new_tokens=2, temperature=-1.0,
                            top_k=0, seed=0)
-  # The same config on other files (another Python's standard library).
-  with open(os.path.join(root, "pkg0", "m0.py"), "ab") as f:
-    f.write(b"# edited")
-  text_lib.load_corpus.cache_clear()
-  with pytest.raises(ValueError, match="another corpus"):
-    train.train_and_evaluate(config, workdir)
+  # The same config on other files (another Python's standard library):
+  # one file edited, then put back (and the corpus read again) for the
+  # other tests of the shared run, whose workdir the refusal leaves as it
+  # was.
+  path = os.path.join(root, "pkg0", "m0.py")
+  files = sorted(os.listdir(workdir))
+  with open(path, "rb") as f:
+    body = f.read()
+  try:
+    with open(path, "ab") as f:
+      f.write(b"# edited")
+    text_lib.load_corpus.cache_clear()
+    with pytest.raises(ValueError, match="another corpus"):
+      train.train_and_evaluate(config, workdir)
+    assert sorted(os.listdir(workdir)) == files
+  finally:
+    with open(path, "wb") as f:
+      f.write(body)
+    text_lib.load_corpus.cache_clear()
 
 
 def test_the_text_sweeps_models_match_in_size():
@@ -150,6 +198,11 @@ def test_the_text_sweeps_models_match_in_size():
   assert max(counts.values()) / min(counts.values()) < 1.01, counts
 
 
+# In `text_run`'s group though it trains its own run: its first pass is
+# the shared run's programs (the training step, the evaluation at T = 32
+# and 64 on 4 windows), which this process then finds compiled in the
+# suite's compilation cache instead of compiling them again.
+@pytest.mark.xdist_group(TEXT_RUN)
 def test_text_sweep_reports_bits_per_byte_per_length(tmp_path):
   from configs.sweeps import text as text_sweep
   from experiments.sweeps import sweep_lib
@@ -201,16 +254,6 @@ def test_text_sweep_reports_bits_per_byte_per_length(tmp_path):
     assert os.path.exists(os.path.join(workdir, name)), name
 
 
-def _same_bytes_config(root, cache, lengths=(64, 128), score_last=16):
-  config = text_config.get_config("smoke")
-  config.task.source_dir = root
-  config.task.cache_dir = cache
-  config.train.eval_lengths = lengths
-  config.train.eval_score_last = score_last
-  config.train.eval_batches = 2
-  return config
-
-
 def test_every_evaluation_length_scores_the_same_bytes(tmp_path):
   root = _corpus(str(tmp_path / "src"), n=400)
   config = _same_bytes_config(root, str(tmp_path / "cache"))
@@ -254,38 +297,40 @@ def test_every_evaluation_length_scores_the_same_bytes(tmp_path):
     program_lib.validate_config(stack)
 
 
-def test_bits_per_byte_at_each_length_match_a_hand_computation(tmp_path):
-  """One held-out window; the run's bits per byte at each length against
-  the model's logits on windows built from the files directly."""
-  root = _corpus(str(tmp_path / "src"), n=400)
-  config = _same_bytes_config(root, str(tmp_path / "cache"))
-  config.train.eval_batches = 1
-  config.train.eval_batch_size = 1
-  workdir = str(tmp_path / "run")
-  summary = train.train_and_evaluate(config, workdir)
+@pytest.mark.xdist_group(TEXT_RUN)
+def test_bits_per_byte_at_each_length_match_a_hand_computation(text_run):
+  """One held-out batch of 4 windows; the run's bits per byte at each
+  length against the model's logits on windows built from the files
+  directly (the mean over every scored byte of the 4)."""
+  root, config, workdir, summary = text_run
   data, owner = _stream(root, held_out=True)
   (longest,) = train.eval_set(config, tasks.make_task(
       **dict(config.task.to_dict(), seq_len=128)))
-  x = np.append(longest["inputs"][0], longest["targets"][0, -1]).astype(
-      np.uint8)
-  (start,) = [s for s in range(len(data) - 128)
-              if np.array_equal(data[s:s + 129], x)][:1]
-  end = start + 128
+  assert longest["inputs"].shape == (4, 128)
+  ends = []  # each window's last byte in the held-out stream
+  for inputs, targets in zip(longest["inputs"], longest["targets"]):
+    x = np.append(inputs, targets[-1]).astype(np.uint8)
+    (start,) = [s for s in range(len(data) - 128)
+                if np.array_equal(data[s:s + 129], x)][:1]
+    ends.append(start + 128)
   _, model, params, step = generation.load_run(workdir)
   assert step == summary["steps"] == 4
+  # Compiled, once a length: op by op the model takes twice as long here.
+  apply = jax.jit(model.apply)
   got = dict(summary["length_loss"], **{"32": summary["final_eval_loss"]})
   for seq_len in (32, 64, 128):
-    window = data[end - seq_len:end + 1].astype(np.int32)
-    files = owner[end - seq_len:end + 1]
-    segments = np.unique(files[:-1], return_inverse=True)[1] + 1
-    logits = np.asarray(model.apply(params, window[None, :-1],
-                                    segments[None].astype(np.int32)),
-                        np.float64)[0]
+    window = np.stack([data[e - seq_len:e + 1] for e in ends]).astype(
+        np.int32)
+    files = np.stack([owner[e - seq_len:e + 1] for e in ends])
+    segments = np.stack([np.unique(f[:-1], return_inverse=True)[1] + 1
+                         for f in files]).astype(np.int32)
+    logits = np.asarray(apply(params, window[:, :-1], segments), np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True))
                            .sum(-1, keepdims=True)) - logits.max(
                                -1, keepdims=True)
-    nll = -logp[np.arange(seq_len), window[1:]]
-    keep = (np.arange(seq_len) >= seq_len - 16) & (files[1:] == files[:-1])
+    nll = -np.take_along_axis(logp, window[:, 1:, None], -1)[..., 0]
+    keep = (np.arange(seq_len) >= seq_len - 16) & (files[:, 1:] ==
+                                                    files[:, :-1])
     bits = nll[keep].mean() / np.log(2)
     np.testing.assert_allclose(got[str(seq_len)] / np.log(2), bits,
                                rtol=1e-5)
