@@ -4,21 +4,37 @@ Each class of mistake a user can type (a missing config file, an unknown
 field, a wrong type, a value out of range, a workdir that is a file, a
 damaged checkpoint, a config of the wrong kind, a cosine run extended, an
 empty selection) is tried on every entry point that takes it, as the user
-runs it: a subprocess from the repository root. The expectation of each
-case is written here, not read from the code: exit status 2, stderr's last
-line `<program>: error: ...` naming the flag, field or file, no traceback
-(and, for a mistake in the flags, nothing else on stderr); with --verbose
-the traceback comes first. The subprocesses start together (each spends
-most of its ~3 s importing JAX) and one test checks every answer.
+runs it: from the repository root, each command in a process of its own,
+run as `python <script>` or `python -m <module>` would run it. The
+expectation of each case is written here, not read from the code: exit
+status 2, stderr's last line `<program>: error: ...` naming the flag, field
+or file, no traceback (and, for a mistake in the flags, nothing else on
+stderr); with --verbose the traceback comes first. One test checks every
+answer.
+
+A fresh interpreter spends ~3 s importing JAX and the other packages (and
+~1 s tearing them down at exit), which would be most of the test's time; so
+each command's process is forked from one (a fork server, `_serve`) that
+imported those packages once and started nothing of JAX's (no backend, none
+of its threads). The child runs the command's own code, from its imports of
+this repository on, with its own sys.argv, sys.path[0], `__main__`, stdout
+and stderr files, and ends as the interpreter ends a program: its exit
+status, traceback, threads, atexit handlers and last garbage collection,
+but not the teardown of every module (see `_serve`).
 """
 
 import concurrent.futures
 import dataclasses
 import glob
+import inspect
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 
 import pytest
 
@@ -185,6 +201,224 @@ def _command(case):
   return [sys.executable, *program, *cache, *case.args]
 
 
+# What the fork server imports before it forks: the packages that most of a
+# command's ~3 s start goes to (`python -X importtime`: jax and jaxlib,
+# matplotlib, orbax, numpy, tensorboardX, haiku, optax). Importing them starts
+# no JAX backend (and so no thread of JAX's, nor its warning at a fork); the
+# one thread they start, OpenBLAS's, is stopped by OpenBLAS around a fork.
+# Nothing of this repository is here: each command imports its own code, and
+# defines its flags, as it would in a fresh interpreter (an entry point
+# imported beforehand would define its absl flags twice when run as
+# __main__).
+_PRELOAD = ("numpy", "jax", "jax.numpy", "jax.experimental.pallas",
+            "jax.experimental.pallas.tpu", "haiku", "optax",
+            "orbax.checkpoint", "tensorboardX", "matplotlib.pyplot",
+            "ml_collections.config_flags", "absl.app", "absl.logging")
+
+
+def _serve(preload):
+  """The fork server's loop; its source is run by `python -c`.
+
+  Imports `preload`, then reads requests on stdin, a JSON line each:
+  [key, argv, stdout path, stderr path], where argv is what follows the
+  interpreter in the command (a script and its arguments, or -m, a module
+  and its arguments). Each request is run in a child forked at once; when
+  one ends, [key, exit status as subprocess reports it] is written to
+  stdout. Ends when stdin is closed and every child has ended.
+
+  Args:
+    preload: the modules to import before forking.
+  """
+  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  import atexit
+  import gc
+  import importlib
+  import json
+  import os
+  import runpy
+  import select
+  import sys
+  import threading
+
+  def run_in_child(argv, out, err):
+    """Runs `python <argv>` in this (forked) process: its exit status."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, path in ((1, out), (2, err)):
+      f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      os.dup2(f, fd)
+      os.close(f)
+    # sys.argv and sys.path[0] as the interpreter sets them (runpy puts the
+    # program's file in argv[0]); runpy gives the program a fresh __main__,
+    # with the module's __spec__ for -m (which names the program in
+    # experiments/tools/cli.py).
+    try:
+      if argv[0] == "-m":
+        sys.argv = ["-m", *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+      else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+      status = 0
+    except SystemExit as e:
+      # The interpreter's reading of sys.exit's argument.
+      if e.code is None:
+        status = 0
+      elif isinstance(e.code, int):
+        status = e.code
+      else:
+        sys.stderr.write(f"{e.code}\n")
+        status = 1
+    except BaseException as e:  # pylint: disable=broad-except
+      # Uncaught: printed as the interpreter prints it, from the program's
+      # first frame on (not this server's or runpy's; `python -m` would show
+      # two of runpy's above it).
+      tb = e.__traceback__
+      while tb is not None and (tb.tb_frame.f_code.co_filename == "<string>"
+                                or tb.tb_frame.f_globals is vars(runpy)):
+        tb = tb.tb_next
+      sys.excepthook(type(e), e.with_traceback(tb), tb)
+      status = 1
+    # Then the interpreter's exit: wait for the program's threads, run the
+    # atexit handlers, collect the garbage (the finalizers of the program's
+    # unreachable objects run, as in the interpreter's teardown), flush
+    # stdout and stderr. The rest of the teardown, every module's, is left
+    # out: in a forked child it copies the whole shared heap page by page
+    # (~1 s, most of a child's time), and only a finalizer of an object
+    # still referenced at exit would print.
+    threading._shutdown()  # pylint: disable=protected-access
+    atexit._run_exitfuncs()  # pylint: disable=protected-access
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except Exception:  # pylint: disable=broad-except
+        status = 120  # the interpreter's status when stdout will not flush
+    return status & 0xFF  # what the process reports of C's exit(status)
+
+  for name in preload:
+    importlib.import_module(name)
+  # What the children share stays out of their collections (which would
+  # otherwise walk, and so copy, the whole imported heap).
+  gc.freeze()
+  running = {}  # pid -> key
+  pending = b""
+  reading = True
+  while reading or running:
+    # A request, or every 20 ms a look for ended children.
+    if select.select([0] if reading else [], [], [], 0.02)[0]:
+      chunk = os.read(0, 1 << 16)
+      reading = bool(chunk)
+      *lines, pending = (pending + chunk).split(b"\n")
+      for line in lines:
+        key, argv, out, err = json.loads(line)
+        pid = os.fork()
+        if not pid:
+          # The child never returns to this loop.
+          try:
+            os._exit(run_in_child(argv, out, err))
+          except BaseException:  # pylint: disable=broad-except
+            sys.excepthook(*sys.exc_info())  # this server's own failure
+            os._exit(255)
+        running[pid] = key
+    while running:
+      pid, status = os.waitpid(-1, os.WNOHANG)
+      if not pid:
+        break
+      os.write(1, json.dumps([running.pop(pid),
+                              os.waitstatus_to_exitcode(status)]).encode()
+               + b"\n")
+
+
+class _ForkServer:
+  """Runs commands in processes forked from `_serve` (the module docstring).
+
+  `run` answers as `subprocess.run(command, cwd=REPO, env=env,
+  capture_output=True, text=True, timeout=timeout)` does, from any thread.
+  """
+
+  def __init__(self, env, folder):
+    """Starts the server.
+
+    Args:
+      env: the commands' environment (the server's, which they inherit).
+      folder: where the commands' stdout and stderr files go.
+    """
+    self._folder = folder
+    self._log = os.path.join(folder, "server.log")
+    with open(self._log, "w") as log:
+      self._process = subprocess.Popen(
+          [sys.executable, "-c",
+           f"{inspect.getsource(_serve)}\n_serve({_PRELOAD!r})\n"],
+          cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+          stderr=log, text=True, start_new_session=True)
+    self._keys = itertools.count()
+    self._lock = threading.Lock()
+    self._ended = {}  # key -> Future of the exit status
+    self._gone = None  # why the server ended early, once it has
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def run(self, command, timeout):
+    """Runs `command` (sys.executable first): its CompletedProcess."""
+    assert command[0] == sys.executable, command
+    ended = concurrent.futures.Future()
+    with self._lock:
+      if self._gone:
+        raise RuntimeError(self._gone)
+      key = next(self._keys)
+      out, err = (os.path.join(self._folder, f"{key}.{n}")
+                  for n in ("stdout", "stderr"))
+      self._ended[key] = ended
+      try:
+        self._process.stdin.write(json.dumps([key, command[1:], out, err])
+                                  + "\n")
+        self._process.stdin.flush()
+      except BrokenPipeError:
+        pass  # the server has ended: `_read` says why
+    returncode = ended.result(timeout)
+    with open(out) as f_out, open(err) as f_err:
+      return subprocess.CompletedProcess(command, returncode, f_out.read(),
+                                         f_err.read())
+
+  def _read(self):
+    """Hands each exit status to its `run`; fails them all if the server
+    ends."""
+    for line in self._process.stdout:
+      key, returncode = json.loads(line)
+      with self._lock:
+        ended = self._ended.pop(key)
+      ended.set_result(returncode)
+    returncode = self._process.wait()
+    with open(self._log) as f:
+      log = f.read()
+    with self._lock:
+      self._gone = f"the fork server ended (exit status {returncode}):\n{log}"
+      waiting, self._ended = self._ended, {}
+    for ended in waiting.values():
+      ended.set_exception(RuntimeError(self._gone))
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *unused_exc_info):
+    self.close()
+
+  def close(self):
+    """Ends the server, and kills what it still runs (after a failure)."""
+    self._process.stdin.close()
+    with self._lock:
+      running = bool(self._ended)
+    try:
+      self._process.wait(timeout=0 if running else 60)
+    except subprocess.TimeoutExpired:
+      # The children are in the server's process group (its own session).
+      os.killpg(self._process.pid, signal.SIGKILL)
+      self._process.wait()
+
+
 def _truncate_checkpoints(run_dir, steps):
   """Cuts every data file of those checkpoints to half its size (which file
   holds which array varies from one save to the next)."""
@@ -209,11 +443,15 @@ def _run_cases(tmp):
   env = {n: x for n, x in os.environ.items()
          if n != "JAX_COMPILATION_CACHE_DIR"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-  run = lambda case: subprocess.run(
-      _command(case), cwd=REPO, env=env, capture_output=True, text=True,
-      timeout=300)
-  with concurrent.futures.ThreadPoolExecutor(3) as pool:
-    futures = {name: pool.submit(run, case) for name, case in cases.items()
+  with (tempfile.TemporaryDirectory() as folder,
+        _ForkServer(env, folder) as server,
+        concurrent.futures.ThreadPoolExecutor(3) as pool):
+    run = lambda case: server.run(_command(case), timeout=300)
+    # The slowest first: benchmarks.train_loop times a model's steps (most of
+    # a minute on a busy 2-core machine) before it reaches the mistake.
+    first = lambda item: item[1].program != "benchmarks.train_loop"
+    futures = {name: pool.submit(run, case)
+               for name, case in sorted(cases.items(), key=first)
                if not needs_run(case)}
     # Meanwhile: a cosine smoke run stopped at step 4 of 6 (checkpoints 2
     # and 4), and copies of it with the last checkpoint, or both, damaged.
