@@ -84,9 +84,13 @@ def main():
   parser.add_argument("--mixers", default="kda,attention,none")
   parser.add_argument("--out", default=None, type=cli.output_path)
   args = parser.parse_args()
+  # Every mixer's config checked before any is timed: a bad name is refused
+  # at once, not after the minutes the mixers before it take.
+  configs = {mixer: _config(mixer) for mixer in args.mixers.split(",")}
+  for config in configs.values():
+    train.validate_config(config)
   rows = []
-  for mixer in args.mixers.split(","):
-    config = _config(mixer)
+  for mixer, config in configs.items():
     prog = train.build_program(config)
     batch_fn = train.train_batches(config, prog.task)
     params = prog.init(jax.random.key(0),
