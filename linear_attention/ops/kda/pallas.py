@@ -211,7 +211,7 @@ def _chunk_states_timed(call: common.Call, cls) -> bool:
 def _class_text() -> str:
   """The measured class in words (`AUTO_CLASS`)."""
   def states(c):
-    return (f"chunk-boundary states at most every {c['chunk_states_every']}"
+    return (f"chunk-boundary states at least {c['chunk_states_every']}"
             " tokens apart or none" if c["chunk_states_every"]
             else "no chunk-boundary states")
   per_dtype = "; ".join(
