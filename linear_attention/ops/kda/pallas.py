@@ -288,6 +288,7 @@ def _run_one(call: common.Call):
   """One call on one device (no context axis, no chunk-boundary states)."""
   states = _segment_states(call)
   n = call.max_num_segments if states else None
+  rows = strided(call)  # all heads a step: no heads_per_block to pass
 
   def kernels():
     return pallas_batched.kda(
@@ -297,8 +298,8 @@ def _run_one(call: common.Call):
         use_qk_l2norm=call.use_qk_l2norm,
         precision=precisions(call),
         chunk=call.chunk_size or DEFAULT_CHUNK,
-        heads_per_block=None if strided(call) else heads_per_block(call),
-        strided=strided(call), strided_primal=strided_primal(call),
+        heads_per_block=None if rows else heads_per_block(call),
+        strided=rows, strided_primal=strided_primal(call),
         segment_ids=call.segment_ids,
         num_segments=n, interpret=call.target.off_tpu_mode == "interpret")
 
