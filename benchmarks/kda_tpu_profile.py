@@ -6,7 +6,10 @@ r"""Where a KDA call's time goes on a TPU: a profile of each implementation.
 For each implementation (`--impls`) and pass (`--passes`: forward, and
 forward+backward by `jax.grad` of a scalar of the output) at one shape, the
 script compiles the call, runs it once untimed, then records `--calls` calls
-under `jax.profiler.trace` into `DIR/<impl>_<pass>/`. It reads the Chrome
+under `jax.profiler.trace` into `DIR/<impl>_<pass>/`, each waited for
+(`wall_ms_per_call`), and, outside the trace, times ten calls dispatched
+back to back and waited for once (`pipelined_ms_per_call`: what a loop
+that does not wait for each result sees). It reads the Chrome
 trace the profiler writes there (`plugins/profile/*/*.trace.json.gz`) and
 sums the device's exclusive time per op name over the recorded calls: Pallas kernels
 (`tpu_custom_call`s) by their kernel name, XLA fusions, copies (relayouts)
@@ -41,7 +44,7 @@ lower-bound gate at -5, q/k L2 norm, as the KDA layer calls the op):
 * `tokamax_mosaic`: tokamax's Pallas kernel (its generation check lifted);
 * `chunked_chunkstates`, `pallas_chunkstates`: the op on that backend with
   the final state and the state after every 1024 tokens
-  (`output_chunk_states`).
+  (`output_chunk_states`); `..._chunkstates64`: after every 64 tokens.
 
 `--precision` sets our implementations' matmul precision: a name of the
 op ("auto", "highest", "high", "default") or four, comma-separated, one per
@@ -86,7 +89,8 @@ IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
          "batched_fused", "batched_hb16_fused", "batched_strided_fused",
          "batched_strided_hb16bwd_fused", "batched_hball_fused",
          "batched_hb16_c128_fused", "batched_hb8_c128_fused",
-         "tokamax_mosaic", "chunked_chunkstates", "pallas_chunkstates")
+         "tokamax_mosaic", "chunked_chunkstates", "pallas_chunkstates",
+         "chunked_chunkstates64", "pallas_chunkstates64")
 PASSES = ("fwd", "fwd_bwd")
 
 
@@ -186,11 +190,12 @@ def chunked_op(segment_ids=None, precision="auto", states=False):
 CHUNK_STATES_EVERY = 1024
 
 
-def chunk_states_op(backend):
+def chunk_states_op(backend, every=CHUNK_STATES_EVERY):
   """The op on `backend` with `output_chunk_states` (the state after every
-  `CHUNK_STATES_EVERY` tokens) and the final state, through the public op
-  (the backend "pallas" computes them by exact state passing over pieces,
-  `context_parallel.run`; off a TPU in Pallas interpret mode)."""
+  `every` tokens) and the final state, through the public op (the backend
+  "pallas" writes them from its kernels' one pass,
+  `pallas.one_pass_chunk_states`; "chunked" by exact state passing over
+  pieces, `context_parallel.run`; off a TPU in Pallas interpret mode)."""
   on_tpu = jax.devices()[0].platform == "tpu"
 
   def f(q, k, v, g, beta, a_log, dt_bias):
@@ -200,7 +205,7 @@ def chunk_states_op(backend):
           q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
           use_gate_in_kernel=True, use_qk_l2norm=True,
           output_final_state=True, output_chunk_states=True,
-          chunk_states_every=min(CHUNK_STATES_EVERY, q.shape[1]),
+          chunk_states_every=min(every, q.shape[1]),
           backend=backend)
   return f
 
@@ -226,10 +231,12 @@ def implementation(name, segment_ids=None, precision="auto"):
   if name != "chunked" and not name.startswith("batched") and (
       precision != "auto"):
     raise ValueError(f"--precision: {name} runs at its own precision here")
-  if name.endswith("_chunkstates"):
+  every = re.search(r"_chunkstates(\d*)$", name)
+  if every:
     if segment_ids is not None or precision != "auto":
       raise ValueError(f"{name}: no --documents, precision 'auto'")
-    return chunk_states_op(name[:-len("_chunkstates")])
+    return chunk_states_op(name[:every.start()],
+                           int(every[1] or CHUNK_STATES_EVERY))
   if name == "chunked":
     return chunked_op(segment_ids, precision, states)
   if name == "kernel":
@@ -301,6 +308,11 @@ def summarize(path, calls=1):
   those, the "XLA Ops" line holds one span per executed op (a Pallas kernel
   is one custom-call op; a loop's body ops lie inside its `while` span, so
   each op is counted by its exclusive time), "XLA Modules" one per program.
+  `ops_busy_us_per_call` sums the ops' exclusive times; `ops_span_us_per_call`
+  runs from the first op of the first call to the last op of the last, so
+  it holds the host's round trips between the calls too (a gap inside a
+  program shows as its module's time, `modules_us_per_call`, above the
+  busy time).
   """
   with gzip.open(path, "rt") as fh:
     trace = json.load(fh)
@@ -368,7 +380,25 @@ def profile_one(fn, args, logdir, calls):
   s = summarize(_trace_file(logdir), calls)
   s["compile_and_first_call_s"] = round(compile_s, 3)
   s["wall_ms_per_call"] = [round(w * 1e3, 3) for w in walls]
+  s["pipelined_ms_per_call"] = round(pipelined(f, args) * 1e3, 3)
   return s
+
+
+PIPELINED_CALLS = 10
+
+
+def pipelined(f, args, calls=PIPELINED_CALLS):
+  """Seconds per call of `calls` calls dispatched back to back and synced
+  once (outside the trace), as a training loop issues them: the host's
+  dispatch overlaps the device's work, where each call of
+  `wall_ms_per_call` waits for its result (a fixed host round trip on top
+  of the device time)."""
+  t0 = time.perf_counter()
+  out = None
+  for _ in range(calls):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / calls
 
 
 def markdown(results, top):
@@ -378,9 +408,11 @@ def markdown(results, top):
       out.append(f"### {key}: error\n\n{s['error'][:300]}\n")
       continue
     wall = statistics.median(s["wall_ms_per_call"])
+    piped = (f", pipelined {s['pipelined_ms_per_call']:.3f} ms"
+             if "pipelined_ms_per_call" in s else "")
     out.append(f"### {key}: device busy {s['ops_busy_us_per_call'] / 1e3:.3f}"
                f" ms/call, op span {s['ops_span_us_per_call'] / 1e3:.3f} ms,"
-               f" wall {wall:.3f} ms\n")
+               f" wall {wall:.3f} ms{piped}\n")
     out.append("| op | us/call | count/call | share |\n|---|---:|---:|---:|")
     busy = s["ops_busy_us_per_call"] or 1.0
     for r in s["ops"][:top]:

@@ -30,7 +30,17 @@ the steps still owed:
 3. `float32_t128`: float32 at T 128, `chunked` at "auto" against our
    kernels at HIGH (the float32 class starts at T 256).
 4. `strided_rows`: B1 T8192 H32 again, both passes, strided against 16
-   heads a step: the traces for the gaps between the program's ops.
+   heads a step: the wall time of calls dispatched back to back
+   (`pipelined_ms_per_call`, which every profile now records) against the
+   waited-for call's (docs/kernel.md: no gaps inside the program; the
+   rest of the wall time is the host's round trip).
+5. `chunk_states_one_pass`: the state after every 1024 and every 64
+   tokens written from the kernels' one pass (`pallas_chunkstates`,
+   `pallas_chunkstates64`; the pieces took 12.66 and 43.18 ms at 1024)
+   against `chunked` at 64, and the strided pair without states (the
+   floor); `chunk_states_t1024`: the same at every 64 tokens, T 1024
+   (`auto` takes bfloat16 chunk-boundary states on the kernels from 1024
+   tokens apart only, as the pieces were timed).
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
 profile: on a CPU the kernels run in interpret mode, a check of the script,
@@ -68,6 +78,11 @@ def steps():
       ("float32_t128", (1, 128, 32, 128), "float32", f32[:2], both, 0),
       ("strided_rows", (1, 8192, 32, 128), "bfloat16",
        auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
+      ("chunk_states_one_pass", (1, 8192, 32, 128), "bfloat16",
+       auto("batched_strided_fused", "pallas_chunkstates",
+            "pallas_chunkstates64", "chunked_chunkstates64"), both, 0),
+      ("chunk_states_t1024", (1, 1024, 32, 128), "bfloat16",
+       auto("pallas_chunkstates64", "chunked_chunkstates64"), both, 0),
   ]
 
 
@@ -151,7 +166,8 @@ def main():
         what = r.get("skipped") or "error"
       else:
         what = (f"device busy {r['ops_busy_us_per_call'] / 1e3:.2f} ms,"
-                f" wall {r['wall_ms_per_call']} ms")
+                f" wall {r['wall_ms_per_call']} ms, pipelined"
+                f" {r.get('pipelined_ms_per_call')} ms")
       print(f"  {key}: {what}")
 
 

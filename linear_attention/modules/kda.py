@@ -299,7 +299,7 @@ class KimiDeltaAttention(hk.Module):
       entry j continues the sequence after token (j + 1) C - 1 exactly like
       the cache a prefill of those tokens returns (its document only; zeros
       where that token is padding). The recurrent states come from the op's
-      `output_chunk_states` ("reference" and "chunked" backends).
+      `output_chunk_states` (every backend but "tokamax").
     """
     checks.int_at_least("every", every, 1)
     return self._apply(x, segment_ids, None, max_num_segments, every)

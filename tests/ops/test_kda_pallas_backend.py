@@ -171,6 +171,60 @@ def test_chunk_boundary_states_match_the_float64_reference():
     testing.assert_close(x, w, rtol=RTOL_F32, name=f"d{name}")
 
 
+@pytest.mark.parametrize("segments", [False, True])
+def test_chunk_boundary_states_in_one_pass_match_the_float64_reference(
+    segments):
+  # `pallas.one_pass_chunk_states`: C a multiple of the kernel's chunk and
+  # no per-segment states, so the kernels write the state every C = 64
+  # tokens in their one pass (one forward pallas_call, not the pieces'
+  # two). T = 200 (a tail after the last boundary), a mild gate (lower
+  # bound -0.1: the state remembers across pieces), grouped value heads;
+  # without segments an initial state and the final state, with packed
+  # segments (training's form) a boundary on padding (zeros there). The
+  # states and every gradient against the float64 reference op.
+  args, kw = make_inputs(Case(b=2, t=200, h=1, hv=2, k=128, v=128,
+                              segments=segments, init=not segments,
+                              lower_bound=-0.1))
+  if segments:  # row 1's second boundary (token 127) on padding
+    ids = np.array(kw["segment_ids"])
+    ids[1, 120:130] = 0
+    kw["segment_ids"] = jnp.asarray(ids)
+  kw = dict(kw, output_final_state=not segments, output_chunk_states=True,
+            chunk_states_every=64)
+  dc = np.random.default_rng(2).normal(size=(2, 3, 2, 128, 128))
+  (c, c64), grads = _against_float64(args, kw, lambda out: out[2], dc)
+  testing.assert_close(c, c64, rtol=RTOL_F32, name="chunk states")
+  for name, x, w in grads:
+    if name != "q":  # the states do not depend on q (a zero gradient)
+      testing.assert_close(x, w, rtol=RTOL_F32, name=f"d{name}")
+  if segments:
+    np.testing.assert_array_equal(np.asarray(c)[1, 1], 0.0)
+  with kernels():
+    forward = jax.make_jaxpr(lambda a: ops.kimi_delta_attention(
+        **a, backend="pallas", **kw))(args)
+  assert len(pallas_grids(forward.jaxpr)) == 1
+
+
+@pytest.mark.parametrize("t", [4096, 512])
+def test_one_pass_chunk_states_export_for_tpu_v5e(t):
+  # The state after every 1024 (256) tokens, strided at T 4096 and 16 heads
+  # a step at T 512: the forward one Mosaic kernel, its gradient two.
+  args, kw = make_inputs(Case(b=1, t=t, h=16, k=128, v=128,
+                              dtype="bfloat16"))
+  kw = dict(kw, output_chunk_states=True, chunk_states_every=t // 4,
+            backend="pallas")
+  specs = {n: jax.ShapeDtypeStruct(x.shape, x.dtype) for n, x in args.items()}
+  states = lambda a: ops.kimi_delta_attention(**a, **kw)[2]
+  loss = lambda a: jnp.sum(states(a))
+  with mosaic.lowering_mode("v5e"):
+    forward = jax.export.export(jax.jit(states), platforms=["tpu"])(specs)
+    grads = jax.export.export(jax.jit(jax.grad(loss)),
+                              platforms=["tpu"])(specs)
+  assert forward.mlir_module().count("tpu_custom_call") == 1
+  assert forward.out_avals[0].shape == (1, 4, 16, 128, 128)
+  assert grads.mlir_module().count("tpu_custom_call") == 2
+
+
 @pytest.mark.parametrize("case, kw, reason", [
     (Case(t=64, k=128, v=128, gate="softplus"), {}, "lower-bound gate"),
     (Case(t=64, k=128, v=128, gate="preactivated"), {}, "lower-bound gate"),

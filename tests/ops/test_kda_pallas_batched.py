@@ -170,10 +170,12 @@ RAW_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "ds0", "da_log", "ddt_bias")
 
 
 def _raw_pair(t, *, gated, l2norm, h=2, b=1, init=True, dtype=jnp.float32,
-              precision=ACCURATE, g_dtype=jnp.float32, **kernel_kw):
+              precision=ACCURATE, g_dtype=jnp.float32, every=None,
+              lower_bound=-5.0, **kernel_kw):
   """(out, grads), (out64, grads64): `pallas_batched.kda` and the float64
   `reference` op on the same raw inputs (rounded to `dtype`), under one
-  random cotangent. grads follow RAW_NAMES (None where no input)."""
+  random cotangent. grads follow RAW_NAMES (None where no input). `every`:
+  with the chunk-boundary states (a third output) every that many tokens."""
   (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(
       t, h=h, b=b, seed=t, dtype=dtype, g_dtype=g_dtype)
   if not gated:
@@ -184,32 +186,36 @@ def _raw_pair(t, *, gated, l2norm, h=2, b=1, init=True, dtype=jnp.float32,
             for x in (q, k))
   if not init:
     s0 = None
-  kw = dict(scale=128 ** -0.5, lower_bound=-5.0 if gated else None,
+  kw = dict(scale=128 ** -0.5, lower_bound=lower_bound if gated else None,
             use_gate_in_kernel=gated, use_qk_l2norm=l2norm)
   args = (q, k, v, g, beta, s0, a_log, dt_bias)
+  states = {} if every is None else dict(chunk_states_every=every)
 
   def ours(q, k, v, g, beta, s0, a_log, dt_bias):
     return pallas_batched.kda(q, k, v, g, beta, s0, a_log=a_log,
                               dt_bias=dt_bias, precision=precision,
-                              interpret=INTERPRET, **kw, **kernel_kw)
+                              interpret=INTERPRET, **kw, **kernel_kw,
+                              **states)
 
   def reference(q, k, v, g, beta, s0, a_log, dt_bias):
     return ops.kimi_delta_attention(
         q, k, v, g, beta, a_log=a_log if gated else None,
         dt_bias=dt_bias if gated else None, initial_state=s0,
         output_final_state=True, backend="reference", precision="highest",
-        **kw)
+        **kw, **({} if every is None else dict(output_chunk_states=True,
+                                                **states)))
 
   rng = np.random.default_rng(1)
-  do = rng.normal(size=v.shape)
-  ds = rng.normal(size=(v.shape[0], h, 128, 128))
+  cots = [rng.normal(size=v.shape), rng.normal(size=(b, h, 128, 128))]
+  if every is not None:
+    cots.append(rng.normal(size=(b, t // every, h, 128, 128)))
   out, back = jax.vjp(ours, *args)
-  grads = back((jnp.asarray(do, dtype), jnp.asarray(ds, jnp.float32)))
+  grads = back(tuple(jnp.asarray(c, x.dtype) for c, x in zip(cots, out)))
   with testing.float64_on_host():
     a64 = [None if a is None else jnp.asarray(np.asarray(
         a.astype(jnp.float32), np.float64)) for a in args]
     out64, back64 = jax.vjp(reference, *a64)
-    grads64 = back64((jnp.asarray(do), jnp.asarray(ds)))
+    grads64 = back64(tuple(map(jnp.asarray, cots)))
   return (out, grads), (out64, grads64)
 
 
@@ -294,6 +300,61 @@ def test_strided_forward_with_an_unstrided_backward(dtype):
   for name, x, w in zip(RAW_NAMES, grads, grads64):
     testing.assert_close(x, np.asarray(w), rtol=RTOL_F32 if f32 else 8e-3,
                          name=name)
+
+
+@pytest.mark.parametrize("t, every, kernel_kw", [
+    (200, 64, dict(heads_per_block=2)),  # two head blocks, every chunk
+    (300, 128, dict(strided=True)),  # strided rows, every second chunk
+    (200, 64, dict(strided=True, strided_backward=False, heads_per_block=2)),
+    (200, 128, dict(heads_per_block=2, fused_backward=False)),  # XLA pull-back
+    (200, 64, dict(heads_per_block=2, strided_primal=True)),
+])
+def test_chunk_boundary_states_in_the_one_pass(t, every, kernel_kw):
+  # `chunk_states_every`: the forward kernel writes its carried state at
+  # every C-th token and the backward adds their cotangents there. T not a
+  # multiple of the chunk (a tail after the last boundary), a mild gate
+  # (lower_bound -0.1: the state remembers its initial state and earlier
+  # pieces); the output, final state, boundary states and every gradient
+  # against the float64 reference op's. Measured in interpret mode at
+  # HIGHEST: boundary states 1.3e-7..1.4e-7, gradients 1.8e-7..1.9e-6
+  # (da_log; the rest <= 3.7e-7).
+  (out, grads), (out64, grads64) = _raw_pair(
+      t, gated=True, l2norm=True, h=4, every=every, lower_bound=-0.1,
+      **kernel_kw)
+  assert out[2].shape == (1, t // every, 4, 128, 128)
+  assert out[2].dtype == jnp.float32
+  # Not differentiated (`strided_primal`: the strided forward) as well.
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, h=4, seed=t)
+  primal = pallas_batched.kda(
+      q, k, v, g, beta, s0, scale=128 ** -0.5, a_log=a_log, dt_bias=dt_bias,
+      lower_bound=-0.1, use_gate_in_kernel=True, use_qk_l2norm=True,
+      precision=ACCURATE, chunk_states_every=every, interpret=INTERPRET,
+      **kernel_kw)
+  for name, x, y, w in zip(("output", "final_state", "chunk_states"), out,
+                           primal, out64):
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+    testing.assert_close(y, np.asarray(w), rtol=RTOL_F32, name=name)
+  for name, x, w in zip(RAW_NAMES, grads, grads64):
+    testing.assert_close(x, np.asarray(w), rtol=RTOL_F32, name=name)
+
+
+def test_chunk_boundary_states_limits():
+  args = _raw_inputs(100)
+  (q, k, v, g, beta, s0), a_log, dt_bias = args
+  kw = dict(scale=128 ** -0.5, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+            use_gate_in_kernel=True, precision=ACCURATE, interpret=INTERPRET)
+  with pytest.raises(NotImplementedError, match="multiple of the chunk"):
+    pallas_batched.kda(q, k, v, g, beta, s0, chunk_states_every=96, **kw)
+  with pytest.raises(ValueError, match="chunk_states_every"):
+    pallas_batched.kda(q, k, v, g, beta, s0, chunk_states_every=0, **kw)
+  ids = jnp.ones((1, 100), jnp.int32)
+  with pytest.raises(NotImplementedError, match="per-segment states"):
+    pallas_batched.kda(q, k, v, g, beta, None, segment_ids=ids,
+                       num_segments=1, chunk_states_every=64, **kw)
+  # No boundary inside T: an empty third output.
+  o, final, states = pallas_batched.kda(q, k, v, g, beta, s0,
+                                        chunk_states_every=128, **kw)
+  assert states.shape == (1, 0, 2, 128, 128)
 
 
 def _factor_errors(g):

@@ -21,9 +21,12 @@ Chunk-boundary states (`output_chunk_states=True`): the state after tokens
 C, 2 C, ... (C = `chunk_states_every`) of each row, differentiable, with
 packed segments (the state of the segment holding the boundary token) and
 under context parallelism (global positions; each rank returns those in its
-slice). Computed by the exact state passing of
-`linear_attention.ops.kda.context_parallel.chunk_states` on the backend's
-own runner: about one extra forward pass with V + K value columns.
+slice). The XLA backends compute them by the exact state passing of
+`linear_attention.ops.kda.context_parallel.chunk_states` on their own
+runner (about one extra forward pass with V + K value columns); "pallas"
+writes them from its kernels' one pass where C is a multiple of its chunk
+and there are no per-segment states or context axis
+(`pallas.one_pass_chunk_states`), else by that state passing.
 """
 
 import jax
@@ -210,8 +213,8 @@ def kimi_delta_attention(
     allow_neg_eigval: accept beta in [0, 2] (transition eigenvalues in
       [-1, 1]; see the module docstring).
     output_chunk_states: also return the states after every
-      `chunk_states_every`-th token (see Returns); "reference" and "chunked"
-      only (NotImplementedError on "tokamax").
+      `chunk_states_every`-th token (see Returns); "reference", "chunked"
+      and "pallas" (NotImplementedError on "tokamax").
     chunk_states_every: C >= 1, the distance between those states (under
       `context_axis`, each rank's T must be a multiple of C).
     backend: "reference" | "chunked" | "tokamax" (tokamax's Pallas TPU

@@ -22,11 +22,17 @@ over it):
   N runs; a call with a row of more (a segment met again after another
   can make one) runs on `chunked` as a whole, chosen on the device
   (`jax.lax.cond`);
-* `context_axis` and chunk-boundary states (`output_chunk_states`) by the
-  exact state passing of `context_parallel`, whose local calls are packed
-  segments with per-segment states (a shard's or a piece's first run in a
-  slot of its own): the calls with few runs a row run on the kernels; a
-  row of many runs (packed documents without states) on `chunked`.
+* chunk-boundary states (`output_chunk_states`) in the kernels' one pass
+  (`one_pass_chunk_states`: C a multiple of the chunk, no per-segment
+  states, no context axis): the forward kernel writes its carried state at
+  every C-th token, the backward adds their cotangents there
+  (`pallas_batched.kda(..., chunk_states_every=C)`); padding's boundaries
+  are zeroed here;
+* `context_axis`, and the other chunk-boundary states, by the exact state
+  passing of `context_parallel`, whose local calls are packed segments with
+  per-segment states (a shard's or a piece's first run in a slot of its
+  own): the calls with few runs a row run on the kernels; a row of many
+  runs (packed documents without states) on `chunked`.
 
 "auto" picks this backend only inside the class of calls measured faster
 than every other backend on a chip (`auto_declines`, `AUTO_CLASS`;
@@ -51,7 +57,8 @@ tokamax 0.11 and 0.35), B1 T128 H32 0.04 and 0.10 ms (chunked 0.09 and
 documents 2.7 and 7.2 ms (chunked 10.7 and 39.1), and with their
 per-segment states 5.7 and 14.8 ms (chunked 52.1 and 118.9), B1 T8192 H32
 with the state after every 1024 tokens 12.7 and 43.2 ms (chunked 58.2 and
-149.9); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and 47.7),
+149.9; timed through the pieces of `context_parallel`, before the kernels
+wrote them in their one pass, which is not yet timed on a chip); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and 47.7),
 T1024 0.66 and 1.86 ms (chunked 1.46 and 5.31), T512 0.33 and 0.91 ms
 (chunked 0.71 and 2.51), T256 0.17 and 0.45 ms (chunked 0.36 and 1.24),
 T8192 packed with 1024-token documents 6.4 and 16.1 ms (chunked 16.9 and
@@ -114,7 +121,8 @@ AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
 # (bfloat16 timed at H16 and H32, float32 at H32).
 AUTO_CLASS = {
     # T 128, 256, 512, 1024, 2048, 4096 and 8192; 1024-token documents at
-    # T 8192; the state after every 1024 tokens at T 8192.
+    # T 8192; the state after every 1024 tokens at T 8192 (through the
+    # pieces; the one pass that now writes them is not yet timed).
     "bfloat16": dict(heads=16, min_t=128, chunk_states_every=1024),
     # T 256, 512, 1024 and 8192, 1024-token documents at T 8192, at HIGH
     # (FLOAT32_AUTO); chunk-boundary states not timed.
@@ -271,9 +279,13 @@ def _segment_states(call: common.Call) -> bool:
 
 
 def run(call: common.Call):
-  """The call on our kernels; `supports(call)` is None. Under a context
-  axis, or with chunk-boundary states, through `context_parallel.run`, whose
-  per-rank (per-piece) calls are packed segments with per-segment states."""
+  """The call on our kernels; `supports(call)` is None. Chunk-boundary
+  states in one pass where `one_pass_chunk_states` allows; else, and under
+  a context axis, through `context_parallel.run`, whose per-rank
+  (per-piece) calls are packed segments with per-segment states."""
+  if call.output_chunk_states and one_pass_chunk_states(call):
+    return _run_one(call)
+
   def local(q, k, v, g, beta, *, initial_state, output_final_state,
             segment_ids, max_num_segments, **_):
     return _run_one(call._replace(
@@ -284,11 +296,23 @@ def run(call: common.Call):
   return context_parallel.run(local, call)
 
 
+def one_pass_chunk_states(call: common.Call) -> bool:
+  """Whether the kernels write `call`'s chunk-boundary states in their one
+  pass (`pallas_batched.kda(..., chunk_states_every=...)`): no context
+  axis, the distance a multiple of the chunk, and no per-segment states
+  (their layout moves runs off the boundaries)."""
+  return (call.context_axis is None and not _segment_states(call)
+          and call.chunk_states_every % (call.chunk_size or DEFAULT_CHUNK)
+          == 0)
+
+
 def _run_one(call: common.Call):
-  """One call on one device (no context axis, no chunk-boundary states)."""
+  """One call on one device (no context axis; chunk-boundary states only
+  where `one_pass_chunk_states`)."""
   states = _segment_states(call)
   n = call.max_num_segments if states else None
   rows = strided(call)  # all heads a step: no heads_per_block to pass
+  every = call.chunk_states_every if call.output_chunk_states else None
 
   def kernels():
     return pallas_batched.kda(
@@ -300,9 +324,16 @@ def _run_one(call: common.Call):
         chunk=call.chunk_size or DEFAULT_CHUNK,
         heads_per_block=None if rows else heads_per_block(call),
         strided=rows, strided_primal=strided_primal(call),
-        segment_ids=call.segment_ids,
-        num_segments=n, interpret=call.target.off_tpu_mode == "interpret")
+        segment_ids=call.segment_ids, num_segments=n,
+        chunk_states_every=every,
+        interpret=call.target.off_tpu_mode == "interpret")
 
+  if every is not None:
+    o, final, bounds = kernels()
+    if call.segment_ids is not None:  # zeros where the boundary is padding
+      ends = call.segment_ids[:, every - 1::every][:, :bounds.shape[1]]
+      bounds = jnp.where((ends != 0)[:, :, None, None, None], bounds, 0.0)
+    return o, final if call.output_final_state else None, bounds
   if not states:
     o, final = kernels()
     return o, final if call.output_final_state else None

@@ -58,9 +58,19 @@ final state): each chunk reads its run-start counts and padding flags
 (`_run_rows`) and masks pairs to runs and the carried state's reads and
 writes to the runs that hold it (`_run_masks`); the exponents do not change.
 
+Chunk-boundary states (`kda(..., chunk_states_every=C)`, C a multiple of
+the chunk): the forward kernel also writes its carried state at the last
+chunk of every piece of C tokens, into a [hb, K, V] block whose index
+moves once a piece (the tail after the last boundary stays on the last
+block, so no block is revisited); the backward kernel adds each boundary
+state's cotangent to dX' at the same chunk. One pass of each kernel, with
+or without packed segments (not with per-segment states, whose layout
+moves runs off the boundaries).
+
 Limits (NotImplementedError): q, k, v float32 or bfloat16 of one dtype; K and
 V multiples of 128; chunk 16 * 2^n up to 128; every g >= -5 (the fused gate
-only with lower_bound); segments without states, and not strided.
+only with lower_bound); segments not strided; chunk-boundary states at
+multiples of the chunk, without per-segment states.
 """
 
 import dataclasses
@@ -143,6 +153,13 @@ class Config:
   # then read two scalar-prefetched rows: each chunk's run, and its flags
   # (1: a run starts here, 2: a run ends here).
   run_states: int = 0
+  # Chunk-boundary states (`kda(..., chunk_states_every=...)`): the carried
+  # state after every `boundary_chunks` chunks, for the first `boundaries`
+  # such pieces (those wholly inside the sequence), is also written out, one
+  # [hb, K, V] block each, and the backward adds their cotangents to the
+  # carried state's at those chunks (0: off).
+  boundary_chunks: int = 0
+  boundaries: int = 0
 
   @property
   def blocks(self) -> int:
@@ -613,7 +630,8 @@ def _kernel(*refs, t: Config):
   names = ["q", "k", "v", "g", "b"] + (["runs"] if t.segmented else [])
   names += ["rate", "dtb"] if t.gated else []
   names += ["s0"] if t.has_initial_state else []
-  names += ["o", "sf"] + (["cs"] if t.save_states else []) + ["state"]
+  names += ["o", "sf"] + (["cs"] if t.save_states else [])
+  names += (["bs"] if t.boundary_chunks else []) + ["state"]
   names += ["rows"] if _rows_scratch(t, refs[names.index("o")].dtype) else []
   r = dict(zip(names, refs))
   s0_ref, cs_ref, state_ref = r.get("s0"), r.get("cs"), r["state"]
@@ -638,6 +656,10 @@ def _kernel(*refs, t: Config):
   o, new_state = _state_step(x, q2, k2, state, seg, t)
   _write(r["o"], _lanes(o), t, r.get("rows"))
   state_ref[...] = new_state
+  if t.boundary_chunks:
+    @pl.when(_at_boundary(chunk_id, t))
+    def _():
+      r["bs"][...] = new_state
 
   if t.run_states:  # the run's block holds its state after its last chunk
     r["sf"][...] = state_ref[...]
@@ -645,6 +667,14 @@ def _kernel(*refs, t: Config):
     @pl.when(chunk_id == pl.num_programs(1) - 1)
     def _():
       r["sf"][...] = state_ref[...]
+
+
+def _at_boundary(chunk, t: Config):
+  """Whether `chunk` is the last of a piece of `t.boundary_chunks` chunks
+  whose outgoing state is a chunk-boundary state (one of the first
+  `t.boundaries` pieces: those wholly inside the sequence)."""
+  e = t.boundary_chunks
+  return (chunk % e == e - 1) & (chunk // e < t.boundaries)
 
 
 def _state_step(x, q2, k2, state, seg, t: Config):
@@ -756,7 +786,8 @@ def _backward_kernel(*refs, t: Config):
   refs, flags = _run_flags(refs, t, pl.num_programs(1) - 1 - pl.program_id(1))
   names = ["q", "k", "v", "g", "b"] + (["runs"] if t.segmented else [])
   names += ["rate", "dtb"] if t.gated else []
-  names += ["cs", "do", "dsf", "dq", "dk", "dv", "dg", "db", "ds0"]
+  names += ["cs", "do", "dsf"] + (["dbs"] if t.boundary_chunks else [])
+  names += ["dq", "dk", "dv", "dg", "db", "ds0"]
   names += (["da", "ddt"] if t.gated else []) + ["dstate"]
   grads = [refs[names.index(n)].dtype for n in ("dq", "dk", "dv", "dg")]
   names += ["rows"] if _rows_scratch(t, *grads) else []
@@ -832,7 +863,8 @@ def _backward_step_start(r, t: Config, step, flags):
   """Before a backward step: at the last chunk (the first step) dX' is the
   final state's cotangent and the a_log and dt_bias sums start; with
   `t.run_states`, at each run's last chunk dX' is that run's final-state
-  cotangent."""
+  cotangent; with `t.boundary_chunks`, at a boundary's chunk the boundary
+  state's cotangent is added to it."""
   dstate_ref = r["dstate"]
 
   @pl.when(step == 0)
@@ -846,6 +878,11 @@ def _backward_step_start(r, t: Config, step, flags):
     @pl.when(flags >= 2)
     def _():
       dstate_ref[...] = r["dsf"][...].astype(_F32)
+
+  if t.boundary_chunks:  # dX' also takes the boundary state's cotangent
+    @pl.when(_at_boundary(pl.num_programs(1) - 1 - step, t))
+    def _():
+      dstate_ref[...] += r["dbs"][...]
 
 
 def _write_gradients(r, grads, rate, saved, t: Config):
@@ -889,7 +926,8 @@ def vmem_bytes(t: Config, in_dtype, g_dtype) -> int:
   isz = jnp.dtype(in_dtype).itemsize
   blocks = c * hb * (3 * kd * isz + vd * isz + kd * jnp.dtype(g_dtype).itemsize
                      + 4 * 8) + 8 * max(c, 128) * 4 * hb
-  states = hb * kd * vd * 4 * (2 + (2 if t.has_initial_state else 0) + 1)
+  states = hb * kd * vd * 4 * (2 + (2 if t.has_initial_state else 0) + 1
+                               + (2 if t.boundary_chunks else 0))
   live = 24 * hb * c * max(kd + vd, 128) * 4
   rows = c * hb * vd * 4 if _rows_scratch(t, in_dtype) else 0
   return 2 * blocks + states + live + rows
@@ -958,7 +996,7 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         use_qk_l2norm=False, precision, chunk=pallas_tpu.DEFAULT_CHUNK,
         heads_per_block=None, strided=False, strided_backward=None,
         strided_primal=False, fused_backward=True, segment_ids=None,
-        num_segments=None, interpret=False):
+        num_segments=None, chunk_states_every=None, interpret=False):
   """The KDA forward on the op's raw inputs, preparation inside the kernel.
 
   q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -994,8 +1032,17 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
   `heads_per_block` heads (on a v5e the strided forward is the faster
   forward, the unstrided pair the faster forward+backward; docs/kernel.md).
 
+  `chunk_states_every` C (a multiple of `chunk`; not with `num_segments`):
+  also the states after tokens C, 2 C, ... (the op's chunk-boundary
+  states), from the same pass: the forward kernel writes its carried state
+  out at every C-th token and the backward kernel adds their cotangents to
+  the carried state's there. With `segment_ids` the carried state there is
+  that of the segment holding the boundary token (the caller zeros those
+  at padding).
+
   Returns (o [B, T, H, V] in q's dtype, final state float32: [B, H, K, V],
-  or [B, N, H, K, V] with `num_segments`, or None with `segment_ids` only).
+  or [B, N, H, K, V] with `num_segments`, or None with `segment_ids` only);
+  with `chunk_states_every`, a third element [B, T // C, H, K, V] float32.
   """
   if not isinstance(precision, Precisions):
     raise ValueError(f"precision must be a Precisions; got {precision!r}.")
@@ -1048,12 +1095,39 @@ def kda(q, k, v, g, beta, initial_state=None, *, scale, a_log=None,
         t, strided=True, heads_per_block=_heads_per_block(h, None, True)))
   if not gated:
     a_log = dt_bias = None
+  if chunk_states_every is not None:
+    t = _with_boundaries(t, chunk_states_every, seq)
   if run_states:
     return _kda_runs(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
                      segment_ids)
-  o, final = _kda_raw(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
-                      segment_ids)
-  return o, None if t.segmented else final
+  o, final, *bounds = _kda_raw(t, q, k, v, g, beta, initial_state, a_log,
+                               dt_bias, segment_ids)
+  if chunk_states_every is not None and not bounds:  # none inside T
+    bounds = [jnp.zeros((b, 0, h, kd, v.shape[-1]), _F32)]
+  return (o, None if t.segmented else final, *bounds)
+
+
+def _with_boundaries(t: Config, every, seq) -> Config:
+  """`t` writing the state after every `every` tokens (`Config.boundaries`;
+  its `primal` too)."""
+  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    raise ValueError(
+        f"chunk_states_every must be an int >= 1; got {every!r}.")
+  if every % t.chunk:
+    raise NotImplementedError(
+        f"pallas_batched writes chunk-boundary states at chunk edges:"
+        f" chunk_states_every must be a multiple of the chunk ({t.chunk});"
+        f" got {every}.")
+  if t.run_states:
+    raise NotImplementedError(
+        "pallas_batched writes chunk-boundary states without per-segment"
+        " states only (their layout moves runs off the boundaries); got"
+        f" num_segments={t.run_states}.")
+  fields = dict(boundary_chunks=every // t.chunk, boundaries=seq // every)
+  if not fields["boundaries"]:
+    return t
+  primal = t.primal and dataclasses.replace(t.primal, **fields)
+  return dataclasses.replace(t, primal=primal, **fields)
 
 
 def too_many_runs(segment_ids, num_segments):
@@ -1225,11 +1299,11 @@ def _kda_raw(t: Config, q, k, v, g, beta, initial_state, a_log, dt_bias,
 
 def _kda_raw_fwd(t, q, k, v, g, beta, initial_state, a_log, dt_bias,
                  segment_ids):
-  o, final, states = _forward(dataclasses.replace(t, save_states=True),
-                              q, k, v, g, beta, initial_state, a_log, dt_bias,
-                              segment_ids)
-  return (o, final), (q, k, v, g, beta, initial_state, a_log, dt_bias,
-                      segment_ids, states)
+  o, final, states, *bounds = _forward(
+      dataclasses.replace(t, save_states=True), q, k, v, g, beta,
+      initial_state, a_log, dt_bias, segment_ids)
+  return (o, final, *bounds), (q, k, v, g, beta, initial_state, a_log,
+                               dt_bias, segment_ids, states)
 
 
 def _backward_config(t: Config) -> Config:
@@ -1247,11 +1321,13 @@ def _kda_raw_bwd(t, residuals, cotangents):
   (q, k, v, g, beta, initial_state, a_log, dt_bias, segment_ids,
    states) = residuals
   t = _backward_config(t)
-  do, dfinal = cotangents
+  do, dfinal, *dbounds = cotangents  # the boundary states' with them
+  dbounds = dbounds[0] if dbounds else None
   cast = lambda x, like: None if like is None else x.astype(like.dtype)
   if t.fused_backward:
     dq, dk, dv, dg, dbeta, ds0, da, ddt = _backward(
-        t, q, k, v, g, beta, states, do, dfinal, a_log, dt_bias, segment_ids)
+        t, q, k, v, g, beta, states, do, dfinal, a_log, dt_bias, segment_ids,
+        dbounds)
     return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
             cast(dbeta, beta), cast(ds0, initial_state), cast(da, a_log),
             cast(ddt, dt_bias), None)
@@ -1260,7 +1336,8 @@ def _kda_raw_bwd(t, residuals, cotangents):
       dt_bias)
   bare = dataclasses.replace(t, prep=None)
   dqp, dkp, dv, dgp, dbeta, ds0 = _backward(
-      bare, qp, kp, v, gp, beta, states, do, dfinal, segment_ids=segment_ids)
+      bare, qp, kp, v, gp, beta, states, do, dfinal, segment_ids=segment_ids,
+      dbounds=dbounds)
   dq, dk, dg, da, ddt = pull((dqp.astype(qp.dtype), dkp.astype(kp.dtype),
                               dgp))
   return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g),
@@ -1291,6 +1368,12 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
   run_state = pl.BlockSpec(
       (hb, kd, vd), lambda i, j, run, *_: (
           (i // nh * t.run_states + run[i * n + at(j)]) * nh + i % nh, 0, 0))
+  # Chunk-boundary states [B*H, P, K, V]: piece j // e's block, the tail
+  # after the last boundary kept on the last one (so it is not revisited).
+  e, last = t.boundary_chunks, t.boundaries - 1
+  boundary = pl.BlockSpec(
+      (hb, pl.squeezed, kd, vd),
+      lambda i, j, *_: (i, jnp.minimum(at(j) // max(e, 1), last), 0, 0))
   runs = pl.BlockSpec((pl.squeezed, pl.squeezed, RUN_ROWS, c),
                       lambda i, j, *_: (i // nh, at(j), 0, 0))  # `_run_rows`
   if t.strided:  # rows (b, t, h) of [B*T*H, d]; all heads a step (nh = 1)
@@ -1313,8 +1396,8 @@ def _specs(t: Config, b, seq, h, *, reverse=False):
         unbeta=lambda x: jnp.transpose(x.reshape(b, n, h, c),
                                        (0, 1, 3, 2)).reshape(b, tp, h))
   return n, tp, dict(tok=tok, rows=rows, state=state,
-                     chunk_state=chunk_state, lanes=lanes, runs=runs,
-                     run_state=run_state), views
+                     chunk_state=chunk_state, boundary=boundary, lanes=lanes,
+                     runs=runs, run_state=run_state), views
 
 
 def _gate_lanes(a_log, dt_bias, kd):
@@ -1357,7 +1440,8 @@ def _chunk_inputs(t: Config, spec, view, n, nh, qkvgb, segment_ids, a_log,
 @functools.partial(jax.jit, static_argnums=(0,))
 def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
              dt_bias=None, segment_ids=None):
-  """(o, final state[, chunk states [B*H, T/C, K, V] with t.save_states]).
+  """(o, final state[, chunk states [B*H, T/C, K, V] with t.save_states]
+  [, chunk-boundary states [B, P, H, K, V] with t.boundary_chunks]).
 
   With `t.prep`, q, k and g are raw (the kernel prepares them; a_log and
   dt_bias feed the fused gate); `segment_ids` [B, T] with `t.segmented`,
@@ -1397,6 +1481,10 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   if t.save_states:
     out_specs.append(spec["chunk_state"])
     out_shape.append(jax.ShapeDtypeStruct((b * h, n, kd, vd), _F32))
+  if t.boundary_chunks:
+    out_specs.append(spec["boundary"])
+    out_shape.append(jax.ShapeDtypeStruct((b * h, t.boundaries, kd, vd),
+                                          _F32))
   out = pl.pallas_call(
       functools.partial(_kernel, t=t),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -1409,7 +1497,10 @@ def _forward(t: Config, q, k, v, g, beta, initial_state, a_log=None,
   o = view["untok"](out[0], vd)[:, :seq].astype(q.dtype)
   final = out[1].reshape(b, -1, h, kd, vd)
   final = _mapped(final, segment_ids) if t.run_states else final[:, 0]
-  return (o, final, *out[2:])
+  extra = list(out[2:])
+  if t.boundary_chunks:  # [B*H, P, K, V] -> [B, P, H, K, V]
+    extra[-1] = jnp.moveaxis(extra[-1].reshape(b, h, -1, kd, vd), 1, 2)
+  return (o, final, *extra)
 
 
 def _mapped(states, segment_ids):
@@ -1436,8 +1527,11 @@ def _run_state_args(t: Config, segment_ids, spec, nh):
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
-              dt_bias=None, segment_ids=None):
+              dt_bias=None, segment_ids=None, dbounds=None):
   """(dq, dk, dv, dg, dbeta, d initial state[, d a_log, d dt_bias]).
+
+  `dbounds` [B, P, H, K, V]: the chunk-boundary states' cotangents (with
+  `t.boundary_chunks`).
 
   Without `t.prep`, on prepared inputs, the gradients in float32. With it
   (the fused backward), on the raw inputs as `_forward` takes them: the
@@ -1461,6 +1555,10 @@ def _backward(t: Config, q, k, v, g, beta, states, do, dfinal, a_log=None,
       dt_bias)
   in_specs += [spec["chunk_state"], tok(vd), state_spec]
   args += [states, view["tok"](do), dfinal.astype(_F32).reshape(-1, kd, vd)]
+  if t.boundary_chunks:  # [B, P, H, K, V] -> [B*H, P, K, V]
+    in_specs.append(spec["boundary"])
+    args.append(jnp.moveaxis(dbounds.astype(_F32), 2, 1).reshape(
+        b * h, t.boundaries, kd, vd))
   dtype = lambda x: _F32 if t.prep is None else x.dtype
   shape = lambda d, x: jax.eval_shape(
       view["tok"], jax.ShapeDtypeStruct((b, tp, h, d), dtype(x)))
