@@ -302,14 +302,15 @@ def test_strided_forward_with_an_unstrided_backward(dtype):
                          name=name)
 
 
-@pytest.mark.parametrize("t, every, kernel_kw", [
-    (200, 64, dict(heads_per_block=2)),  # two head blocks, every chunk
-    (300, 128, dict(strided=True)),  # strided rows, every second chunk
-    (200, 64, dict(strided=True, strided_backward=False, heads_per_block=2)),
-    (200, 128, dict(heads_per_block=2, fused_backward=False)),  # XLA pull-back
-    (200, 64, dict(heads_per_block=2, strided_primal=True)),
+@pytest.mark.parametrize("b, t, every, kernel_kw", [
+    (1, 200, 64, dict(heads_per_block=2)),  # two head blocks, every chunk
+    (2, 260, 128, dict(strided=True)),  # strided rows, two sequences
+    (1, 200, 64, dict(strided=True, strided_backward=False,
+                      heads_per_block=2)),
+    (1, 200, 128, dict(heads_per_block=2, fused_backward=False)),  # in XLA
+    (1, 200, 64, dict(heads_per_block=2, strided_primal=True)),
 ])
-def test_chunk_boundary_states_in_the_one_pass(t, every, kernel_kw):
+def test_chunk_boundary_states_in_the_one_pass(b, t, every, kernel_kw):
   # `chunk_states_every`: the forward kernel writes its carried state at
   # every C-th token and the backward adds their cotangents there. T not a
   # multiple of the chunk (a tail after the last boundary), a mild gate
@@ -319,12 +320,12 @@ def test_chunk_boundary_states_in_the_one_pass(t, every, kernel_kw):
   # HIGHEST: boundary states 1.3e-7..1.4e-7, gradients 1.8e-7..1.9e-6
   # (da_log; the rest <= 3.7e-7).
   (out, grads), (out64, grads64) = _raw_pair(
-      t, gated=True, l2norm=True, h=4, every=every, lower_bound=-0.1,
+      t, gated=True, l2norm=True, h=4, b=b, every=every, lower_bound=-0.1,
       **kernel_kw)
-  assert out[2].shape == (1, t // every, 4, 128, 128)
+  assert out[2].shape == (b, t // every, 4, 128, 128)
   assert out[2].dtype == jnp.float32
   # Not differentiated (`strided_primal`: the strided forward) as well.
-  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, h=4, seed=t)
+  (q, k, v, g, beta, s0), a_log, dt_bias = _raw_inputs(t, h=4, b=b, seed=t)
   primal = pallas_batched.kda(
       q, k, v, g, beta, s0, scale=128 ** -0.5, a_log=a_log, dt_bias=dt_bias,
       lower_bound=-0.1, use_gate_in_kernel=True, use_qk_l2norm=True,
