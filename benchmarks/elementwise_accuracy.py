@@ -19,7 +19,8 @@ function on a grid of float32 inputs against NumPy in float64:
 * `decay_product`: the relative error of exp(g_1) ... exp(g_n) taken as a
   running product on the device, against the float64 product, for n up to
   4096 (g uniform in [-1e-3, 0)): what the recurrence's decays alone lose;
-* `gates_exp`, `gates_exp_near_zero` and `decay_product_gates_exp`: the
+* `gates_exp`, `gates_exp_near_zero`, `gates_exp_wide` ([-87, 0)),
+  `gates_exp_positive` ([0, 88)) and `decay_product_gates_exp`: the
   same for `gates.exp`, the float32 exp of multiplies, adds and an exact
   power of two that the recurrence takes instead of `jnp.exp` (on a CPU:
   0.80 ulp at most, mean signed relative error 7.3e-10 on [-5, 0)).
@@ -47,6 +48,9 @@ FUNCTIONS = {
     "exp_near_zero": (jnp.exp, np.exp, -1e-3, 0.0),
     "gates_exp": (gates.exp, np.exp, -5.0, 0.0),
     "gates_exp_near_zero": (gates.exp, np.exp, -1e-3, 0.0),
+    # down to results near the smallest normal; exp(a_log) and g > 0
+    "gates_exp_wide": (gates.exp, np.exp, -87.0, 0.0),
+    "gates_exp_positive": (gates.exp, np.exp, 0.0, 88.0),
     "sigmoid": (jax.nn.sigmoid, lambda x: 1 / (1 + np.exp(-x)), -20.0, 20.0),
     "rsqrt": (jax.lax.rsqrt, lambda x: 1 / np.sqrt(x), 1e-3, 1e3),
     "log1p": (jnp.log1p, np.log1p, -0.5, 0.5),
