@@ -22,25 +22,27 @@ shape and the exponent factors (`kda_tpu_session_v5e.json`,
 `kda_tpu_session_strided_rows_v5e.json` in benchmarks/results); these are
 the steps still owed:
 
-1. `strided_pair_t2048`, `strided_pair_t1024`: forward+backward, the
-   strided kernels against 16 heads a step (both kernels run strided from
-   T 4096 only, `pallas.STRIDED`, where they were timed faster).
-2. `short_t64`: T 64 (one chunk), `chunked`, our kernels and tokamax's
-   (`auto`'s bfloat16 class starts at T 128).
-3. `float32_t128`: float32 at T 128, `chunked` at "auto" against our
-   kernels at HIGH (the float32 class starts at T 256).
-4. `strided_rows`: B1 T8192 H32 again, both passes, strided against 16
+1. `strided_rows`: B1 T8192 H32 again, both passes, strided against 16
    heads a step: the wall time of calls dispatched back to back
    (`pipelined_ms_per_call`, which every profile now records) against the
-   waited-for call's (docs/kernel.md: no gaps inside the program; the
-   rest of the wall time is the host's round trip).
-5. `chunk_states_one_pass`: the state after every 1024 and every 64
+   waited-for call's, for the targets (docs/kernel.md: no gaps inside the
+   program; the rest of a waited-for call's wall time is the host's round
+   trip).
+2. `chunk_states_one_pass`: the state after every 1024 and every 64
    tokens written from the kernels' one pass (`pallas_chunkstates`,
    `pallas_chunkstates64`; the pieces took 12.66 and 43.18 ms at 1024)
-   against `chunked` at 64, and the strided pair without states (the
-   floor); `chunk_states_t1024`: the same at every 64 tokens, T 1024
-   (`auto` takes bfloat16 chunk-boundary states on the kernels from 1024
-   tokens apart only, as the pieces were timed).
+   against `chunked` at 64; step 1's strided pair, in the same process,
+   is the floor (no states).
+3. `strided_pair_t2048`, `strided_pair_t1024`: forward+backward, the
+   strided kernels against 16 heads a step (both kernels run strided from
+   T 4096 only, `pallas.STRIDED`, where they were timed faster).
+4. `short_t64`: T 64 (one chunk), `chunked`, our kernels and tokamax's
+   (`auto`'s bfloat16 class starts at T 128).
+5. `float32_t128`: float32 at T 128, `chunked` at "auto" against our
+   kernels at HIGH (the float32 class starts at T 256).
+6. `chunk_states_t1024`: the state after every 64 tokens at T 1024, ours
+   against `chunked` (`auto` takes bfloat16 chunk-boundary states on the
+   kernels from 1024 tokens apart only, as the pieces were timed).
 
 `--smoke` shrinks every shape to B1 T128 H16 K128 and runs one call per
 profile: on a CPU the kernels run in interpret mode, a check of the script,
@@ -69,6 +71,11 @@ def steps():
   f32 = [("chunked", "auto"), ("batched_fused", "high"),
          ("batched_fused", "default")]
   return [
+      ("strided_rows", (1, 8192, 32, 128), "bfloat16",
+       auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
+      ("chunk_states_one_pass", (1, 8192, 32, 128), "bfloat16",
+       auto("pallas_chunkstates", "pallas_chunkstates64",
+            "chunked_chunkstates64"), both, 0),
       ("strided_pair_t2048", (1, 2048, 32, 128), "bfloat16",
        auto("batched_hb16_fused", "batched_strided_fused"), ("fwd_bwd",), 0),
       ("strided_pair_t1024", (1, 1024, 32, 128), "bfloat16",
@@ -76,11 +83,6 @@ def steps():
       ("short_t64", (1, 64, 32, 128), "bfloat16",
        auto("chunked", "batched_hb16_fused", "tokamax_mosaic"), both, 0),
       ("float32_t128", (1, 128, 32, 128), "float32", f32[:2], both, 0),
-      ("strided_rows", (1, 8192, 32, 128), "bfloat16",
-       auto("batched_hb16_fused", "batched_strided_fused"), both, 0),
-      ("chunk_states_one_pass", (1, 8192, 32, 128), "bfloat16",
-       auto("batched_strided_fused", "pallas_chunkstates",
-            "pallas_chunkstates64", "chunked_chunkstates64"), both, 0),
       ("chunk_states_t1024", (1, 1024, 32, 128), "bfloat16",
        auto("pallas_chunkstates64", "chunked_chunkstates64"), both, 0),
   ]
