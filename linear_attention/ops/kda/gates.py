@@ -25,11 +25,14 @@ float64 NumPy as the truth) float32 `jnp.exp` is off by up to 59 ulp on
 token recurrence and a layer's decode apply to the state, is off by about
 n x 1.35e-6 (-8.6e-5 at n = 64, -5.5e-3 at 4096). `exp` below is Cody-Waite
 reduction, a degree-7 polynomial and an exact power of two; on a CPU it
-measures 0.80 ulp at most and a mean signed relative error of 7.3e-10 on
-[-5, 0], 0.50 ulp and -1.2e-12 on [-1e-3, 0] (`jnp.exp` there: 0.89 ulp,
-4.7e-10). It has not yet been measured on a TPU: the `gates_exp` rows of
-`benchmarks/elementwise_accuracy.py` do that. `softplus` and the rate
-exp(a_log) of `kda_log_decay` use it.
+measures 0.88 ulp at most and a mean signed relative error of -6.1e-10 on
+[-5, 0], 0.50 ulp and -2.9e-14 on [-1e-3, 0] (`jnp.exp` there: 0.89 ulp,
+4.7e-10). On the v5e its evaluation before (Horner down to 1/0!) measured
+1.06 ulp and 6.5e-10 on [-5, 0] (`gates_exp` in
+`benchmarks/results/elementwise_accuracy_v5e.json`); that chip rounds each
+multiply and add on its own, and so rounded (NumPy, `tests/ops/
+test_kda_gates.py`) today's evaluation stays within 0.92 ulp on every
+range. `softplus` and the rate exp(a_log) of `kda_log_decay` use it.
 """
 
 import math
@@ -44,10 +47,10 @@ L2_NORM_EPS = 1e-6
 _LN2_HI = 0.693145751953125
 _LN2_LO = 1.428606765330187e-06  # ln 2 - _LN2_HI, to float32
 _INV_LN2 = 1.4426950408889634
-# 1/7!, 1/6!, ..., 1/0!: exp(r) by Taylor to r^7, Horner. |r| <= ln2 / 2, so
-# the terms left out sum to at most 7.0e-9 of exp(r) (0.08 ulp, at r =
-# -ln2 / 2; float64 NumPy).
-_EXP_SERIES = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))
+# 1/7!, 1/6!, ..., 1/2!: exp(r) = 1 + r + r^2 q(r) by Taylor to r^7, q by
+# Horner. |r| <= ln2 / 2, so the terms left out sum to at most 7.0e-9 of
+# exp(r) (0.08 ulp, at r = -ln2 / 2; float64 NumPy).
+_EXP_SERIES = tuple(1.0 / math.factorial(n) for n in range(7, 1, -1))
 # The float32 range of x with a normal, finite exp(x): 0xc2aeac4f, the
 # least float32 >= ln(2^-126) (the smallest normal), and 0x42b17217, the
 # largest <= ln(float32 max).
@@ -90,11 +93,16 @@ def _pow2(k: jax.Array) -> jax.Array:
 def exp(x: jax.Array) -> jax.Array:
   """e^x in float32 by multiplies, adds and exact powers of two alone.
 
-  Cody-Waite range reduction: k = round(x / ln 2), r = (x - k ln2_hi) -
-  k ln2_lo (k ln2_hi exact, so r is within float32 rounding of x - k ln 2,
-  |r| <= ln 2 / 2); exp(r) by its Taylor polynomial to r^7 (Horner); then
+  Cody-Waite range reduction: k = round(x / ln 2), hi = x - k ln2_hi
+  (exact), lo = k ln2_lo, r = hi - lo (|r| <= ln 2 / 2); exp(r) by its
+  Taylor polynomial to r^7 as 1 + (hi - (lo - r^2 q(r))), q by Horner: the
+  leading 1 + r is added last and r's rounding stays out of it, so every
+  rounding before the last two acts on terms of at most r^2 / 2; then
   times 2^k, built from its bits as 2^(k // 2) 2^(k - k // 2) so that k =
-  128 stays in range: both products are exact.
+  128 stays in range: both products are exact. Within an ulp with or
+  without fused multiply-adds: a TPU v5e rounds each float32 multiply and
+  add on its own (its results were reproduced to every digit by NumPy
+  doing so), where a CPU may fuse them.
 
   Why: the token recurrence multiplies its state by one exp a token, so a
   bias in exp adds up. On a TPU v5e (libtpu 0.0.50.1, JAX 0.12.0.1,
@@ -103,9 +111,11 @@ def exp(x: jax.Array) -> jax.Array:
   -1.35e-6 on [-1e-3, 0]: a running product of n of them is off by about
   n x 1.35e-6 (-8.6e-5 at 64, -5.5e-3 at 4096). This function, on a CPU
   against NumPy float64 over 2^20 points (`tests/ops/test_kda_gates.py`):
-  0.80 ulp at most and a mean signed relative error of 7.3e-10 on [-5, 0],
-  0.50 ulp and -1.2e-12 on [-1e-3, 0], 0.93 ulp on [-87, 0] and 0.89 ulp
-  on [0, 88] (`jnp.exp` on the same CPU: 0.89, 0.50, 1.00 and 0.98 ulp).
+  0.88 ulp at most and a mean signed relative error of -6.1e-10 on
+  [-5, 0], 0.50 ulp and -2.9e-14 on [-1e-3, 0], 0.89 ulp on [-87, 0] and
+  0.90 ulp on [0, 88]; with every operation rounded on its own, as on the
+  v5e, 0.89, 0.50, 0.91 and 0.92 ulp (Horner down to 1/0!, the evaluation
+  before: 1.06, 0.50, 1.19 and 1.18; the chip measured its first two).
 
   Limits: exp(0) = 1 exactly; x below ln(2^-126) = -87.3365 (a result under
   the smallest normal float32: a denormal, which TPUs flush to zero) and
@@ -119,10 +129,13 @@ def exp(x: jax.Array) -> jax.Array:
     return jnp.exp(x)
   xc = jnp.clip(x, _EXP_LOW, _EXP_HIGH)
   k = jnp.round(xc * _INV_LN2)
-  r = (xc - k * _LN2_HI) - k * _LN2_LO
-  p = jnp.full_like(r, _EXP_SERIES[0])
+  hi = xc - k * _LN2_HI
+  lo = k * _LN2_LO
+  r = hi - lo
+  q = jnp.full_like(r, _EXP_SERIES[0])
   for c in _EXP_SERIES[1:]:
-    p = p * r + c
+    q = q * r + c
+  p = 1.0 + (hi - (lo - r * r * q))
   k = k.astype(jnp.int32)
   half = k >> 1  # floor(k / 2): both halves in [-63, 64]
   y = p * _pow2(half) * _pow2(k - half)
