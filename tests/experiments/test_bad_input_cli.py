@@ -442,7 +442,11 @@ def _run_cases(tmp):
   # commands must print one line.
   env = {n: x for n, x in os.environ.items()
          if n != "JAX_COMPILATION_CACHE_DIR"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  # The repository ahead of the caller's path (a TPU host brings its
+  # packages by PYTHONPATH); the children on the CPU (the parent may hold a
+  # chip).
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+      filter(None, [REPO, os.environ.get("PYTHONPATH")])))
   with (tempfile.TemporaryDirectory() as folder,
         _ForkServer(env, folder) as server,
         concurrent.futures.ThreadPoolExecutor(3) as pool):

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -428,9 +429,11 @@ def test_smoke_sweep_aggregates_its_seeds(smoke_sweep, tmp_path):
     md = f.read()
   assert "2 of 13 runs finished" in md and "| stack | 32 | kda |" in md
   assert "Runs trained at: c1 (2 runs)." in md
-  # Each run records the device it trained on; the hours are split by it.
+  # Each run records the device it trained on (this process's: a chip's
+  # kind on a TPU host); the hours are split by it.
+  kind = re.escape(jax.devices()[0].device_kind)
   assert re.search(r"Trained on \(the device of each run's last part\):"
-                   r" (\d+ x )?cpu \(2 runs, \d+\.\d\d hours\)\.", md), md
+                   rf" (\d+ x )?{kind} \(2 runs, \d+\.\d\d hours\)\.", md), md
   # The workdir's compute counts run directories outside the sweep too (a
   # calibration's), and every part of the sweep's own.
   spent = results["workdir_compute"]

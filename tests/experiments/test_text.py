@@ -386,8 +386,11 @@ def test_a_text_run_writes_only_under_its_workdir_and_the_caches(tmp_path):
   home, cwd, workdir = (tmp_path / d for d in ("home", "cwd", "work"))
   home.mkdir()
   cwd.mkdir()
+  # The repository ahead of the caller's path (a TPU host brings its
+  # packages by PYTHONPATH).
+  path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
   env = {**os.environ, "HOME": str(home), "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": REPO, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+         "PYTHONPATH": path, "MPLCONFIGDIR": str(tmp_path / "mpl")}
   out = subprocess.run(
       [sys.executable, os.path.join(REPO, "run_experiment.py"),
        f"--config={REPO}/configs/text.py:smoke", f"--workdir={workdir}",
