@@ -177,14 +177,15 @@ def test_chunk_boundary_states_in_one_pass_match_the_float64_reference(
   # `pallas.one_pass_chunk_states`: C a multiple of the kernel's chunk and
   # no per-segment states, so the kernels write the state every C = 64
   # tokens in their one pass (one forward pallas_call, not the pieces'
-  # two). T = 200 (a tail after the last boundary), a mild gate (lower
-  # bound -0.1: the state remembers across pieces), grouped value heads;
+  # two). T = 200 (a tail after the last boundary), grouped value heads;
   # without segments an initial state and the final state, with packed
   # segments (training's form) a boundary on padding (zeros there). The
-  # states and every gradient against the float64 reference op.
+  # states and every gradient against the float64 reference op; measured
+  # in interpret mode: states 9.5e-8, gradients 1.7e-7..3.3e-6, and
+  # d initial_state 5.6e-6 (it reaches the states through 64 tokens of
+  # decay, whose float32 exponent keeps |sum g| 2^-24 of it).
   args, kw = make_inputs(Case(b=2, t=200, h=1, hv=2, k=128, v=128,
-                              segments=segments, init=not segments,
-                              lower_bound=-0.1))
+                              segments=segments, init=not segments))
   if segments:  # row 1's second boundary (token 127) on padding
     ids = np.array(kw["segment_ids"])
     ids[1, 120:130] = 0
