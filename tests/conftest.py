@@ -15,8 +15,10 @@ import pytest
 # times each. Measured on the 2-core host: 11-19% less CPU time in tests
 # that compile and run layers, and the chunked op's loss and gradients (B2
 # T200 H2 K32) bit for bit those of -O3. (-O0 saved 36-46% but moved
-# results: `gates.exp` 1.06-1.19 ulp where -O3 gives 0.80, and a gradient
-# past its bound; so not -O0.) A TPU run (JAX_PLATFORMS=tpu,cpu,
+# results: `gates.exp`'s evaluation then 1.06-1.19 ulp where -O3 gave 0.80,
+# since it does not fuse multiplies and adds (nor does a TPU; `gates.exp`
+# now keeps an ulp either way), and a gradient past its bound; so not
+# -O0.) A TPU run (JAX_PLATFORMS=tpu,cpu,
 # tests/tpu.sh) keeps XLA's defaults.
 _CPU_ONLY = os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8"
