@@ -170,6 +170,36 @@ class Config:
     return self.prep is not None and self.prep.lower_bound is not None
 
 
+class _Operand:
+  """A float32 value that several products read.
+
+  Its bfloat16 head (a DEFAULT product's operand) and tail (with the head,
+  a HIGH product's, `_split2`) are formed at the first product that needs
+  them and reused by the others; for a plain array `_dot` forms them anew
+  at every product, and the kernel's program would hold each repeat.
+  """
+
+  def __init__(self, value):
+    self.value = value.astype(_F32)
+    self._head = self._tail = None
+
+  def head(self):
+    if self._head is None:
+      self._head = self.value.astype(_BF16)
+    return self._head
+
+  def parts(self):
+    """(head, tail), both bfloat16: head + tail keeps 16 of float32's 24
+    mantissa bits."""
+    if self._tail is None:
+      self._tail = (self.value - self.head().astype(_F32)).astype(_BF16)
+    return self.head(), self._tail
+
+
+def _operand(x):
+  return x if isinstance(x, _Operand) else _Operand(x)
+
+
 def _dot(a, b, dims, precision):
   """A float32-accumulated product at `precision`, the same on every device.
 
@@ -177,24 +207,24 @@ def _dot(a, b, dims, precision):
   bf16x3 scheme Mosaic lowers HIGH to): each operand split into a bfloat16
   head and tail, head.head + (head.tail + tail.head), so that interpret mode
   on a CPU (where a HIGH product is exact float32) has the chip's
-  rounding. HIGHEST: float32 operands (Mosaic's fp32 contraction).
+  rounding. HIGHEST: float32 operands (Mosaic's fp32 contraction). a and b
+  are arrays or `_Operand`s (split once for all their products).
   """
+  a, b = _operand(a), _operand(b)
   bf = lambda x, y: jax.lax.dot_general(x, y, dims,
                                         preferred_element_type=_F32)
   if precision == jax.lax.Precision.DEFAULT:
-    return bf(a.astype(_BF16), b.astype(_BF16))
+    return bf(a.head(), b.head())
   if precision == jax.lax.Precision.HIGH:
-    (ah, at), (bh, bt) = _split2(a), _split2(b)
+    (ah, at), (bh, bt) = a.parts(), b.parts()
     return bf(ah, bh) + (bf(ah, bt) + bf(at, bh))
-  return jax.lax.dot_general(a, b, dims, precision=precision,
+  return jax.lax.dot_general(a.value, b.value, dims, precision=precision,
                              preferred_element_type=_F32)
 
 
 def _split2(x):
   """x ~= head + tail, both bfloat16 (16 of float32's 24 mantissa bits)."""
-  x = x.astype(_F32)
-  head = x.astype(_BF16)
-  return head, (x - head.astype(_F32)).astype(_BF16)
+  return _Operand(x).parts()
 
 
 def _split3(x):
@@ -409,7 +439,8 @@ def _run_masks(runs, masks, c):
 
 
 def _solve_factors(a, masks, nb, precision):
-  """(inv, [G, G^2, ...]) with (I + A)^-1 = (I + G)^-1 inv, batched.
+  """(inv, [G, G^2, ...]) with (I + A)^-1 = (I + G)^-1 inv, batched
+  (`_Operand`s: each is read by more than one product).
 
   inv = (I + D)^-1 for D the 16 x 16 diagonal blocks of A (strictly lower),
   by repeated squaring ((I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8),
@@ -418,16 +449,16 @@ def _solve_factors(a, masks, nb, precision):
   """
   eye = masks["eye"]
   d = jnp.where(masks["same"], a, 0.0)
-  inv, power = eye - d, d
+  inv, power = eye - d, _Operand(d)
   for _ in range(SUB.bit_length() - 2):
-    power = _dot(power, power, _BATCH_NN, precision)
-    inv = _dot(inv, eye + power, _BATCH_NN, precision)
-  powers = []
+    power = _Operand(_dot(power, power, _BATCH_NN, precision))
+    inv = _dot(inv, eye + power.value, _BATCH_NN, precision)
+  inv, powers = _Operand(inv), []
   if nb > 1:
-    gm = _dot(inv, a - d, _BATCH_NN, precision)
+    gm = _Operand(_dot(inv, a - d, _BATCH_NN, precision))
     powers.append(gm)
     for _ in range(nb.bit_length() - 2):
-      gm = _dot(gm, gm, _BATCH_NN, precision)
+      gm = _Operand(_dot(gm, gm, _BATCH_NN, precision))
       powers.append(gm)
   return inv, powers
 
@@ -443,7 +474,7 @@ def _solve(inv, powers, rhs, precision):
 
 def _solve_transposed(inv, powers, rhs, precision):
   """(I + A)^-T rhs = inv^T (I + G^T)^-1 rhs, from `_solve_factors`."""
-  t = lambda m: jnp.swapaxes(m, 1, 2)
+  t = lambda m: jnp.swapaxes(m.value, 1, 2)
   y = rhs
   for i, gm in enumerate(powers):
     gy = _dot(t(gm), y, _BATCH_NN, precision)
@@ -513,21 +544,24 @@ def _chunk(q2, k2, v2, g2, beta, t: "Config", masks):
 
 def _scores(q2, k2, f, t: "Config", masks):
   """The chunk's masked scores from the exponent factors `f`: a dict of f,
-  qr, kr, kcs (the row- and column-factored q, k), a_qk and s_kk."""
+  qr, kr (the row-factored q, k), lhs and kcs (per row block n, [qr; kr]
+  over its rows and the column-factored k: `_Operand`s, which the backward
+  reads again), a_qk and s_kk."""
   hb, kd, nb = t.heads_per_block, t.key_dim, t.blocks
   kh = lambda x: _heads(x, hb, kd)
   qr, kr = kh(q2 * f["rowf"]), kh(k2 * f["rowf"])
-  kcs = [kh(k2 * cf) for cf in f["colfs"]]
-  qk_rows, kk_rows = [], []
+  kcs = [_Operand(kh(k2 * cf)) for cf in f["colfs"]]
+  qk_rows, kk_rows, lhss = [], [], []
   for n in range(nb):
     rows = slice(SUB * n, SUB * (n + 1))
-    lhs = jnp.concatenate([qr[:, rows], kr[:, rows]], axis=1)  # [hb, 2S, K]
+    lhs = _Operand(jnp.concatenate([qr[:, rows], kr[:, rows]], axis=1))
     s = _dot(lhs, kcs[n], _BATCH_NT, t.precision.scores)  # [hb, 2S, C]
     qk_rows.append(s[:, :SUB])
     kk_rows.append(s[:, SUB:])
+    lhss.append(lhs)  # [hb, 2S, K]
   a_qk = jnp.where(masks["causal"], jnp.concatenate(qk_rows, axis=1), 0.0)
   s_kk = jnp.where(masks["below"], jnp.concatenate(kk_rows, axis=1), 0.0)
-  return dict(f=f, qr=qr, kr=kr, kcs=kcs, a_qk=a_qk, s_kk=s_kk)
+  return dict(f=f, qr=qr, kr=kr, lhs=lhss, kcs=kcs, a_qk=a_qk, s_kk=s_kk)
 
 
 def _ut(x, k2, v2, beta, t: "Config", masks):
@@ -689,7 +723,7 @@ def _state_step(x, q2, k2, state, seg, t: Config):
   kh = lambda y: _heads(y, hb, kd)
   lhs = jnp.concatenate([wu[:, :, :kd], kh(q2 * f["read"])], axis=1)
   ws = _dot(lhs, state, _BATCH_NN, p.state)  # [hb, 2C, V]: W X and Q X
-  v_new = wu[:, :, kd:] - _rows(ws[:, :c], seg["carry"])
+  v_new = _Operand(wu[:, :, kd:] - _rows(ws[:, :c], seg["carry"]))
   o = _rows(_rows(ws[:, c:], seg["carry"])
             + _dot(x["a_qk"], v_new, _BATCH_NN, p.output), seg["keep"])
   k_end = _rows(kh(k2 * f["to_end"]), seg["last"])  # [hb, C, K]
@@ -754,9 +788,9 @@ def _scores_backward(x, d_aqk, ds, nb, precision):
   for n in range(nb):
     rows = slice(SUB * n, SUB * (n + 1))
     dsn = jnp.concatenate([d_aqk[:, rows], ds[:, rows]], axis=1)  # [hb,2S,C]
-    lhs = jnp.concatenate([x["qr"][:, rows], x["kr"][:, rows]], axis=1)
     dlhs = _dot(dsn, x["kcs"][n], _BATCH_NN, precision)  # [hb, 2S, K]
-    dkcs.append(_dot(jnp.swapaxes(dsn, 1, 2), lhs, _BATCH_NN, precision))
+    dkcs.append(_dot(jnp.swapaxes(dsn, 1, 2), x["lhs"][n], _BATCH_NN,
+                     precision))
     dqr.append(dlhs[:, :SUB])
     dkr.append(dlhs[:, SUB:])
   return jnp.concatenate(dqr, axis=1), jnp.concatenate(dkr, axis=1), dkcs
@@ -806,28 +840,31 @@ def _backward_kernel(*refs, t: Config):
   read3, to_end3 = kh(f["read"]), kh(f["to_end"])
   # The forward's row masks (segments; None without), on the cotangents too.
   carry, last = seg["carry"], seg["last"]
-  do = _rows(_heads(_read(r["do"], t), hb, vd), seg["keep"])
+  do = _Operand(_rows(_heads(_read(r["do"], t), hb, vd), seg["keep"]))
   decay = _rows(_column(kh(f["total"]), kd), seg["carry_end"])
   w = wu[:, :, :kd]
-  state = cs_ref[...]  # X [hb, K, V]
+  # Each value several products read is split once (`_Operand`).
+  state = _Operand(cs_ref[...])  # X [hb, K, V]
   w_read = _rows(w, carry)
-  v_new = wu[:, :, kd:] - _dot(w_read, state, _BATCH_NN, p.state)
-  dnext = dstate_ref[...]  # dX'
+  v_new = _Operand(wu[:, :, kd:] - _dot(w_read, state, _BATCH_NN, p.state))
+  dnext = _Operand(dstate_ref[...])  # dX'
   kend, qread = _rows(k3 * to_end3, last), _rows(q3 * read3, carry)
 
-  dv_new = (_dot(swap(x["a_qk"]), do, _BATCH_NN, p.output)
-            + _dot(kend, dnext, _BATCH_NN, p.state))
+  dv_new = _Operand(_dot(swap(x["a_qk"]), do, _BATCH_NN, p.output)
+                    + _dot(kend, dnext, _BATCH_NN, p.state))
   dstate_ref[...] = (_dot(swap(qread), do, _BATCH_NN, p.state)
-                     + decay * dnext
+                     + decay * dnext.value
                      - _dot(swap(w_read), dv_new, _BATCH_NN, p.state))
   d_aqk = jnp.where(masks["causal"], _dot(do, v_new, _BATCH_NT, p.output),
                     0.0)
   d_qread = _rows(_dot(do, state, _BATCH_NT, p.state), carry)  # [hb, C, K]
   d_kend = _rows(_dot(v_new, dnext, _BATCH_NT, p.state), last)  # [hb, C, K]
-  d_total = _rows(_row(jnp.sum(state * dnext, axis=2, keepdims=True), kd),
+  d_total = _rows(_row(jnp.sum(state.value * dnext.value, axis=2,
+                               keepdims=True), kd),
                   seg["carry_end"])
   dwu = jnp.concatenate(
-      [-_rows(_dot(dv_new, state, _BATCH_NT, p.state), carry), dv_new], axis=2)
+      [-_rows(_dot(dv_new, state, _BATCH_NT, p.state), carry), dv_new.value],
+      axis=2)
   dr = _solve_transposed(x["inv"], x["powers"], dwu, p.solve)
   da = jnp.where(masks["below"], -_dot(dr, wu, _BATCH_NT, p.solve), 0.0)
   dbeta = (jnp.sum(da * x["s_kk"], axis=2, keepdims=True)
