@@ -9,9 +9,15 @@ products (`dot_general`s, their multiply-adds and operand dtypes), the
 casts to bfloat16 (a HIGH product's operands are split into bfloat16 heads
 and tails; a DEFAULT product's are cast) and how many of them repeat the
 cast of a value already cast (the same input cast twice: work the kernel
-could skip), and the other operations by the elements they write. A count
-is not a time: the chip decides (`kda_tpu_session.py`), this shows what a
-change did to the program.
+could skip), and the other operations by the elements they write.
+
+Each product also gets a model count of matrix-unit row passes: a TPU's
+128 x 128 unit takes the right-hand operand as [128, 128] tiles and streams
+the left-hand rows through each, so a product [M, K] x [K, N] costs about M
+ceil(K / 128) ceil(N / 128) row passes (times its batch; a float32 product,
+HIGHEST, six bfloat16 ones), however few of the 128 x 128 multipliers a
+small K or N fills. A count is not a time: the chip decides
+(`kda_tpu_session.py`); this shows what a change did to the program.
 
 Configurations: bfloat16 inputs at one pass (DEFAULT) and float32 inputs at
 HIGH (the backend's float32 "auto"), both raw with the fused lower-bound
@@ -70,11 +76,24 @@ def _elements(aval):
   return int(np.prod(aval.shape)) if hasattr(aval, "shape") else 0
 
 
+def row_passes(lhs, rhs, dims, float32=False):
+  """The model's matrix-unit row passes of one `dot_general` (see above)."""
+  (lc, rc), (lb, rb) = dims
+  size = lambda shape, axes: int(np.prod([shape[d] for d in axes]))
+  batch = size(lhs, lb)
+  m = size(lhs, [d for d in range(len(lhs)) if d not in lc + lb])
+  n = size(rhs, [d for d in range(len(rhs)) if d not in rc + rb])
+  k = size(lhs, lc)
+  tiles = lambda x: -(-x // 128)
+  return batch * m * tiles(k) * tiles(n) * (6 if float32 else 1)
+
+
 def count(kernel):
   """A kernel body's counts (one grid step; branches counted as taken)."""
   casts = collections.Counter()  # input var -> casts to bfloat16
   sizes = {}
-  products = dict(count=0, macs=0, bf16=0, f32=0)
+  products = dict(count=0, macs=0, bf16=0, f32=0, row_passes=0)
+  shapes = collections.Counter()  # (lhs, rhs, dims) -> products
   other = collections.Counter()  # primitive -> elements written
   moves = 0
 
@@ -89,13 +108,16 @@ def count(kernel):
         moves += sum(_elements(v.aval) for v in eqn.outvars)
         continue
       if name == "dot_general":
-        (contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        k = int(np.prod([lhs.shape[d] for d in contract]))
+        dims = eqn.params["dimension_numbers"]
+        lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
         products["count"] += 1
-        products["macs"] += _elements(eqn.outvars[0].aval) * k
+        products["macs"] += _elements(eqn.outvars[0].aval) * int(
+            np.prod([lhs.shape[d] for d in dims[0][0]]))
         key = "bf16" if lhs.dtype == jnp.bfloat16 else "f32"
         products[key] += 1
+        products["row_passes"] += row_passes(lhs.shape, rhs.shape, dims,
+                                             key == "f32")
+        shapes[(tuple(lhs.shape), tuple(rhs.shape), dims, key)] += 1
         continue
       if (name == "convert_element_type"
           and eqn.params["new_dtype"] == jnp.bfloat16
@@ -115,7 +137,11 @@ def count(kernel):
                                       for v, n in repeated.items()),
       elementwise_elements=sum(other.values()),
       moved_elements=moves,
-      elementwise_by_op=dict(other.most_common()))
+      elementwise_by_op=dict(other.most_common()),
+      products_by_shape=[
+          dict(lhs=list(l), rhs=list(r), dims=str(d), operands=key, count=n,
+               row_passes=n * row_passes(l, r, d, key == "f32"))
+          for (l, r, d, key), n in shapes.most_common()])
 
 
 CONFIGS = {
@@ -172,7 +198,8 @@ def main():
     pr = r["products"]
     print(f"{r['config']:>17} {'strided' if r['strided'] else 'blocks':>7}"
           f" {r['kernel']:>8}: {pr['count']} products"
-          f" ({pr['macs'] / 1e6:.1f} M MACs), bf16 casts"
+          f" ({pr['macs'] / 1e6:.1f} M MACs, {pr['row_passes']} row passes),"
+          f" bf16 casts"
           f" {r['bf16_cast_elements'] / 1e6:.2f} M elements"
           f" ({r['repeated_bf16_cast_elements'] / 1e6:.2f} M repeated),"
           f" other ops {r['elementwise_elements'] / 1e6:.2f} M elements")

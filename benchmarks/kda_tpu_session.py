@@ -33,14 +33,19 @@ the steps still owed:
    `pallas_chunkstates64`; the pieces took 12.66 and 43.18 ms at 1024)
    against `chunked` at 64; step 1's strided pair, in the same process,
    is the floor (no states).
-3. `strided_pair_t2048`, `strided_pair_t1024`: forward+backward, the
+3. `float32_t8192`: float32 inputs, our kernels at HIGH against one pass
+   (the 1.3x target; 1.56x and 1.70x before each operand that several
+   products read was split once, `pallas_batched._Operand`, 1ee5527);
+   step 1's pair is bfloat16's after the same change (1.90 and 6.42 ms of
+   device time before).
+4. `strided_pair_t2048`, `strided_pair_t1024`: forward+backward, the
    strided kernels against 16 heads a step (both kernels run strided from
    T 4096 only, `pallas.STRIDED`, where they were timed faster).
-4. `short_t64`: T 64 (one chunk), `chunked`, our kernels and tokamax's
+5. `short_t64`: T 64 (one chunk), `chunked`, our kernels and tokamax's
    (`auto`'s bfloat16 class starts at T 128).
-5. `float32_t128`: float32 at T 128, `chunked` at "auto" against our
+6. `float32_t128`: float32 at T 128, `chunked` at "auto" against our
    kernels at HIGH (the float32 class starts at T 256).
-6. `chunk_states_t1024`: the state after every 64 tokens at T 1024, ours
+7. `chunk_states_t1024`: the state after every 64 tokens at T 1024, ours
    against `chunked` (`auto` takes bfloat16 chunk-boundary states on the
    kernels from 1024 tokens apart only, as the pieces were timed).
 
@@ -76,6 +81,7 @@ def steps():
       ("chunk_states_one_pass", (1, 8192, 32, 128), "bfloat16",
        auto("pallas_chunkstates", "pallas_chunkstates64",
             "chunked_chunkstates64"), both, 0),
+      ("float32_t8192", (1, 8192, 32, 128), "float32", f32[1:], both, 0),
       ("strided_pair_t2048", (1, 2048, 32, 128), "bfloat16",
        auto("batched_hb16_fused", "batched_strided_fused"), ("fwd_bwd",), 0),
       ("strided_pair_t1024", (1, 1024, 32, 128), "bfloat16",
