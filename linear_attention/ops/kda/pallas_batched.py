@@ -23,20 +23,22 @@ exponent safety), measured on a TPU v5e in docs/kernel.md:
   hb independent chains of small matmuls are issued together instead of one
   head after another; the elementwise work runs on the whole [C, hb*K]
   block.
-* The exponents come from one [3C, C] 0/1 matrix (prefix sums, suffix sums
-  and 16-token local prefix sums) times g split into three bfloat16 pieces
-  (exact: the matrix is exact in bfloat16 and every piece's product is
-  exact), instead of a [(3 + C/16) C + 8, C] matrix at HIGHEST (six passes);
-  the per-block factors are then formed on the vector unit from 16-token
-  local sums (|sum| <= 80 when g >= -5, so no factor overflows and no
-  exponent is a difference of two sums over more than 16 tokens, except
-  through whole-block totals that are added, never subtracted).
+* The exponents come from one [2C, C] 0/1 matrix (16-token local prefix
+  and suffix sums) times g split into three bfloat16 pieces (exact: the matrix is
+  exact in bfloat16 and every piece's product is exact), instead of a
+  [(3 + C/16) C + 8, C] matrix at HIGHEST (six passes); the prefix and
+  suffix sums and the per-block factors are then formed on the vector unit
+  from the local sums and the block totals (|sum| <= 80 when g >= -5, so no
+  factor overflows and no exponent is a difference of two sums over more
+  than 16 tokens: whole-block totals are added, never subtracted).
 * The solve is blocked twice: the 16 x 16 diagonal blocks D are inverted by
   repeated squaring ((I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8)), then
   with G = (I + D)^-1 F for the off-diagonal part F, (I + A)^-1 =
   (I + G)^-1 (I + D)^-1 and (I + G)^-1 = (I - G)(I + G^2)... (G is block
-  strictly lower: G^(C/16) = 0). Eleven batched products at C = 64, no
-  row-block substitution through a scratch.
+  strictly lower: G^(C/16) = 0). The inverse is formed as one [C, C]
+  matrix and applied once to [K | V] (and, transposed, to the backward's
+  cotangents): eleven batched products at C = 64, ten of them [C, C] x
+  [C, C], no row-block substitution through a scratch.
 
 The backward kernel (`_backward_kernel`, behind a custom VJP) walks the
 chunks last to first with the state's cotangent in VMEM, recomputing each
@@ -234,13 +236,14 @@ def _split3(x):
   return a, b, (x - a.astype(_F32) - b.astype(_F32)).astype(_BF16)
 
 
-def _range_matrix(c, transpose=False):
-  """[3C, C] 0/1 (bfloat16, exact): prefix, suffix and 16-token local sums.
+def _local_matrix(c, transpose=False):
+  """[2C, C] 0/1 (bfloat16, exact): the 16-token local sums.
 
-  Rows [0, C): sum over [0, i]; [C, 2C): sum over (i, C); [2C, 3C): sum
-  over [16 floor(i / 16), i]. Built from iotas; `transpose` gives [C, 3C].
+  Row i < C sums over [16 floor(i / 16), i] (the local prefix sums L), row
+  C + i over (i, 16 floor(i / 16) + 16) (the local suffix sums, the tails).
+  Built from iotas; `transpose` gives [C, 2C].
   """
-  shape = (c, 3 * c) if transpose else (3 * c, c)
+  shape = (c, 2 * c) if transpose else (2 * c, c)
   r = jax.lax.broadcasted_iota(jnp.int32, shape, 1 if transpose else 0)
   j = jax.lax.broadcasted_iota(jnp.int32, shape, 0 if transpose else 1)
   i = r % c
@@ -248,9 +251,8 @@ def _range_matrix(c, transpose=False):
   same = jax.lax.shift_right_logical(i, shift) == jax.lax.shift_right_logical(
       j, shift)
   one = lambda cond: jnp.where(cond, 1.0, 0.0)  # (no selects on booleans)
-  m = jnp.where(r < c, one(j <= i),
-                jnp.where(r < 2 * c, one(j > i), one(same & (j <= i))))
-  return m.astype(_BF16)
+  return jnp.where(r < c, one(same & (j <= i)),
+                   one(same & (j > i))).astype(_BF16)
 
 
 def _exact_dot(m, x):
@@ -279,6 +281,18 @@ def _between(totals, halves, m, n):
   return out
 
 
+def _block_sums(totals):
+  """([T_0 + ... + T_{m-1}], [T_{m+1} + ... + T_{nb-1}]) for each block m
+  (rows [1, N]; 0 for none)."""
+  zero = jnp.zeros_like(totals[0])
+  before, after = [zero], [zero]
+  for t_m in totals[:-1]:
+    before.append(before[-1] + t_m)
+  for t_m in totals[:0:-1]:
+    after.insert(0, t_m + after[0])
+  return before, after
+
+
 def _factors(g, c, nb):
   """Exponent factors of one chunk, for every head at once ([C, hb*K]).
 
@@ -294,14 +308,25 @@ def _factors(g, c, nb):
   [1, N] a chunk instead of 353, each in-block tail's exp once times one
   exponential row per block pair, took the same time on a v5e, 2.59
   against 2.58 ms forward at B1 T8192 H32, and was removed.)
+
+  Only the local sums come from the matrix unit (`_exact_dot`, [2C, C]):
+  L and the tails R (the sums over the rest of a token's block); the
+  prefix sums G_i = T_0 + ... + T_{m-1} + L_i (i in block m) and the suffix
+  sums G_C - G_i = R_i + T_{m+1} + ... + T_{nb-1} are formed from them on
+  the vector unit, block totals added, never subtracted (the [3C, C]
+  matrix of prefix, suffix and local sums took 1.5x the matrix unit's row
+  passes; a tail taken as T_m - L_i lost up to 4.3e-6 of exp(G_C - G_i) to
+  cancellation, against 3.8e-8 summed).
   """
-  x = _exact_dot(_range_matrix(c), g)
-  big, suffix, local = x[:c], x[c:2 * c], x[2 * c:]
+  x = _exact_dot(_local_matrix(c), g)
+  local, tail = x[:c], x[c:]
   n_lanes = g.shape[1]
   totals = [local[SUB * m + SUB - 1:SUB * m + SUB] for m in range(nb)]
+  before, after = _block_sums(totals)
   halves = [0.5 * t for t in totals]
   rowf = jnp.exp(local - _block_rows(halves, n_lanes))
-  tail = _block_rows(totals, n_lanes) - local  # sum over (j, block end]
+  big = _block_rows(before, n_lanes) + local  # sum over [0, i]
+  suffix = tail + _block_rows(after, n_lanes)  # sum over (i, C)
   colfs = []
   for n in range(nb):
     pieces = []
@@ -321,10 +346,10 @@ def _factors(g, c, nb):
 def _factors_backward(f, d, c, nb):
   """dg [C, N] from the cotangents d of `_factors`' outputs.
 
-  Each factor is exp(e) for an exponent e built from the range sums
-  (big, suffix, local); d e = d factor * factor flows back to the range
-  sums through the block totals, and dg = M^T d[big; suffix; local] for the
-  range-sum matrix M (`_range_matrix`). The halves h_n are constants: every
+  Each factor is exp(e) for an exponent e built from the local sums L,
+  the tails R and the block totals; d e = d factor * factor flows back to
+  L and R (the totals are local sums too), and dg = M^T d[L; R] for the
+  local-sum matrix M (`_local_matrix`). The halves h_n are constants: every
   product rowf[i] * colfs[n][j] is free of h_n, so its exact cotangent is
   zero (summing the rows' and the columns' large, opposite terms would only
   add rounding).
@@ -336,9 +361,19 @@ def _factors_backward(f, d, c, nb):
   d_big = d["read"] * f["read"] + jnp.where(row == c - 1,
                                             d["total"] * f["total"], 0.0)
   d_suffix = d["to_end"] * f["to_end"]
-  d_local = d["rowf"] * f["rowf"]
+  # big = rows(before) + local, suffix = tail + rows(after).
+  d_local = d["rowf"] * f["rowf"] + d_big
   d_totals = [jnp.zeros((1, n_lanes), _F32) for _ in range(nb)]
-  d_tail = jnp.zeros((c, n_lanes), _F32)
+  for m in range(nb):
+    if m > 0:  # before[m] = T_0 + ... + T_{m-1}
+      d_before = rowsum(d_big, m)
+      for p in range(m):
+        d_totals[p] = d_totals[p] + d_before
+    if m < nb - 1:  # after[m] = T_{m+1} + ... + T_{nb-1}
+      d_after = rowsum(d_suffix, m)
+      for p in range(m + 1, nb):
+        d_totals[p] = d_totals[p] + d_after
+  d_tail = d_suffix  # suffix = tail + rows(after)
   for n in range(nb):
     e = d["colfs"][n] * f["colfs"][n]  # zero after block n
     for m in range(n):
@@ -347,13 +382,10 @@ def _factors_backward(f, d, c, nb):
         d_totals[p] = d_totals[p] + em
     d_tail = d_tail + jnp.where(row < SUB * n, e, 0.0)
     d_local = d_local - jnp.where(row // SUB == n, e, 0.0)
-  # tail = rows(totals) - local, totals[m] = local[16m + 15].
-  d_local = d_local - d_tail
-  for m in range(nb):
-    d_tm = d_totals[m] + rowsum(d_tail, m)
-    d_local = d_local + jnp.where(row == SUB * m + SUB - 1, d_tm, 0.0)
-  dx = jnp.concatenate([d_big, d_suffix, d_local], axis=0)  # [3C, N]
-  return _exact_dot(_range_matrix(c, transpose=True), dx)
+  for m in range(nb):  # totals[m] = local[16m + 15]
+    d_local = d_local + jnp.where(row == SUB * m + SUB - 1, d_totals[m], 0.0)
+  return _exact_dot(_local_matrix(c, transpose=True),
+                    jnp.concatenate([d_local, d_tail], axis=0))
 
 
 def _heads(x, hb, d):
@@ -463,23 +495,21 @@ def _solve_factors(a, masks, nb, precision):
   return inv, powers
 
 
-def _solve(inv, powers, rhs, precision):
-  """(I + A)^-1 rhs from `_solve_factors`."""
-  x = _dot(inv, rhs, _BATCH_NN, precision)
+def _inverse(inv, powers, precision):
+  """(I + A)^-1 = (I + G)^-1 inv [hb, C, C] (an `_Operand`), from
+  `_solve_factors`.
+
+  Formed once and applied once to the [C, K + V] right-hand side (and,
+  transposed, to the backward's): applying inv and then each factor of
+  (I + G)^-1 to the wide right-hand side took as many products, each twice
+  the matrix unit's row passes of a [C, C] x [C, C] one
+  (`benchmarks/kda_kernel_program.py`).
+  """
+  x = inv
   for i, gm in enumerate(powers):
     gx = _dot(gm, x, _BATCH_NN, precision)
-    x = x - gx if i == 0 else x + gx
-  return x
-
-
-def _solve_transposed(inv, powers, rhs, precision):
-  """(I + A)^-T rhs = inv^T (I + G^T)^-1 rhs, from `_solve_factors`."""
-  t = lambda m: jnp.swapaxes(m.value, 1, 2)
-  y = rhs
-  for i, gm in enumerate(powers):
-    gy = _dot(t(gm), y, _BATCH_NN, precision)
-    y = y - gy if i == 0 else y + gy
-  return _dot(t(inv), y, _BATCH_NN, precision)
+    x = _operand(x).value - gx if i == 0 else x + gx
+  return _operand(x)
 
 
 def _read(ref, t: "Config"):
@@ -534,7 +564,7 @@ def _chunk(q2, k2, v2, g2, beta, t: "Config", masks):
   q2, k2, g2 [C, hb*K], v2 [C, hb*V] float32, beta [hb, C, 1] columns.
   Returns the factors `f`, the per-head (q|k) row-factored scores' inputs,
   the masked scores a_qk (causal) and s (strictly lower, before beta), the
-  beta column [hb, C, 1], the solve's factors and wu = [W | U]: the stages
+  beta column [hb, C, 1], the inverse (I + A)^-1 and wu = [W | U]: the stages
   `_factors`, `_scores` and `_ut`, in turn.
   """
   f = _factors(g2, t.chunk, t.blocks)
@@ -566,15 +596,16 @@ def _scores(q2, k2, f, t: "Config", masks):
 
 def _ut(x, k2, v2, beta, t: "Config", masks):
   """`_scores`' dict x with the UT transform added: beta, kread, v3, the
-  solve's factors (inv, powers) and wu = [W | U] [hb, C, K + V]."""
+  inverse (I + A)^-1 [hb, C, C] (`_inverse`) and wu = [W | U]
+  [hb, C, K + V]."""
   hb, kd, vd = t.heads_per_block, t.key_dim, t.value_dim
   kread, v3 = _heads(k2 * x["f"]["read"], hb, kd), _heads(v2, hb, vd)
   rhs = jnp.concatenate([kread, v3], axis=2) * beta
   inv, powers = _solve_factors(beta * x["s_kk"], masks, t.blocks,
                                t.precision.solve)
-  wu = _solve(inv, powers, rhs, t.precision.solve)
-  return dict(x, beta=beta, kread=kread, v3=v3, inv=inv, powers=powers,
-              wu=wu)
+  inverse = _inverse(inv, powers, t.precision.solve)
+  wu = _dot(inverse, rhs, _BATCH_NN, t.precision.solve)
+  return dict(x, beta=beta, kread=kread, v3=v3, inverse=inverse, wu=wu)
 
 
 def _unit(x2, hb, kd):
@@ -865,7 +896,7 @@ def _backward_kernel(*refs, t: Config):
   dwu = jnp.concatenate(
       [-_rows(_dot(dv_new, state, _BATCH_NT, p.state), carry), dv_new.value],
       axis=2)
-  dr = _solve_transposed(x["inv"], x["powers"], dwu, p.solve)
+  dr = _dot(swap(x["inverse"].value), dwu, _BATCH_NN, p.solve)
   da = jnp.where(masks["below"], -_dot(dr, wu, _BATCH_NT, p.solve), 0.0)
   dbeta = (jnp.sum(da * x["s_kk"], axis=2, keepdims=True)
            + jnp.sum(dr * jnp.concatenate([x["kread"], x["v3"]], axis=2),
