@@ -34,10 +34,13 @@ the steps still owed:
    against `chunked` at 64; step 1's strided pair, in the same process,
    is the floor (no states).
 3. `float32_t8192`: float32 inputs, our kernels at HIGH against one pass
-   (the 1.3x target; 1.56x and 1.70x before each operand that several
-   products read was split once, `pallas_batched._Operand`, 1ee5527);
-   step 1's pair is bfloat16's after the same change (1.90 and 6.42 ms of
-   device time before).
+   (the 1.3x target; 1.56x and 1.70x before ccc91b0 split each operand
+   that several products read once, `pallas_batched._Operand`). Steps 1
+   and 3 are the first timings of the kernels since ea1cf2f (the
+   exponents from local sums, the solve's inverse formed and applied
+   once: 17% and 21% fewer matrix-unit row passes by the model of
+   `benchmarks/kda_kernel_program.py`; step 1's pair took 1.90 and 6.42
+   ms of device time before).
 4. `strided_pair_t2048`, `strided_pair_t1024`: forward+backward, the
    strided kernels against 16 heads a step (both kernels run strided from
    T 4096 only, `pallas.STRIDED`, where they were timed faster).
