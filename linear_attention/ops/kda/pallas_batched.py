@@ -178,28 +178,63 @@ class _Operand:
   Its bfloat16 head (a DEFAULT product's operand) and tail (with the head,
   a HIGH product's, `_split2`) are formed at the first product that needs
   them and reused by the others; for a plain array `_dot` forms them anew
-  at every product, and the kernel's program would hold each repeat.
+  at every product, and the kernel's program would hold each repeat. An
+  operand made by `_Operand.of` (row slices, concatenations, negations:
+  maps that commute with the split, exactly) takes its value, head and
+  tail from its sources', so it splits nothing again.
   """
 
-  def __init__(self, value):
-    self.value = value.astype(_F32)
+  def __init__(self, value, source=None):
+    self._value = None if value is None else value.astype(_F32)
+    self._source = source  # (fn, operands) for `of`
     self._head = self._tail = None
+
+  @classmethod
+  def of(cls, fn, *operands):
+    """fn(*operands), fn a map that commutes with rounding to bfloat16."""
+    return cls(None, (fn, [_operand(x) for x in operands]))
+
+  def _derived(self, get):
+    fn, operands = self._source
+    return fn(*[get(x) for x in operands])
+
+  @property
+  def value(self):
+    if self._value is None:
+      self._value = self._derived(lambda x: x.value)
+    return self._value
 
   def head(self):
     if self._head is None:
-      self._head = self.value.astype(_BF16)
+      self._head = (self.value.astype(_BF16) if self._source is None
+                    else self._derived(lambda x: x.head()))
     return self._head
 
   def parts(self):
     """(head, tail), both bfloat16: head + tail keeps 16 of float32's 24
     mantissa bits."""
     if self._tail is None:
-      self._tail = (self.value - self.head().astype(_F32)).astype(_BF16)
+      self._tail = (
+          (self.value - self.head().astype(_F32)).astype(_BF16)
+          if self._source is None
+          else self._derived(lambda x: x.parts()[1]))
     return self.head(), self._tail
 
 
 def _operand(x):
   return x if isinstance(x, _Operand) else _Operand(x)
+
+
+def _lower_dot(a, b, zero_rows, precision):
+  """a @ b ([hb, C, n] x [hb, n, m]) for a whose first `zero_rows` rows
+  are 0: only the other rows go through the matrix unit (its work grows
+  with the rows a product streams), and the product's first rows are 0."""
+  if zero_rows == 0:
+    return _dot(a, b, _BATCH_NN, precision)
+  rest = _dot(_Operand.of(lambda x: x[:, zero_rows:], a), b, _BATCH_NN,
+              precision)
+  zeros = jnp.zeros((rest.shape[0], zero_rows, rest.shape[2]), _F32)
+  return jnp.concatenate([zeros, rest], axis=1)
 
 
 def _dot(a, b, dims, precision):
@@ -356,6 +391,8 @@ def _factors_backward(f, d, c, nb):
   """
   n_lanes = f["read"].shape[1]
   row = jax.lax.broadcasted_iota(jnp.int32, (c, n_lanes), 0)
+  # (a shift, not a floor division: that is eight operations a lane)
+  row_block = jax.lax.shift_right_logical(row, SUB.bit_length() - 1)
   rowsum = lambda x, m: jnp.sum(x[SUB * m:SUB * (m + 1)], axis=0,
                                 keepdims=True)
   d_big = d["read"] * f["read"] + jnp.where(row == c - 1,
@@ -381,7 +418,7 @@ def _factors_backward(f, d, c, nb):
       for p in range(m + 1, n):
         d_totals[p] = d_totals[p] + em
     d_tail = d_tail + jnp.where(row < SUB * n, e, 0.0)
-    d_local = d_local - jnp.where(row // SUB == n, e, 0.0)
+    d_local = d_local - jnp.where(row_block == n, e, 0.0)
   for m in range(nb):  # totals[m] = local[16m + 15]
     d_local = d_local + jnp.where(row == SUB * m + SUB - 1, d_totals[m], 0.0)
   return _exact_dot(_local_matrix(c, transpose=True),
@@ -478,6 +515,8 @@ def _solve_factors(a, masks, nb, precision):
   by repeated squaring ((I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8),
   D^16 = 0), and G = inv F for the off-diagonal part F: block strictly
   lower, so G^nb = 0 and (I + G)^-1 = (I - G)(I + G^2)...(I + G^(nb/2)).
+  G^(2^p) is 0 in its first 16 2^p rows (F in its first 16), and
+  `_lower_dot` leaves those out of the products (`_lower_rows`).
   """
   eye = masks["eye"]
   d = jnp.where(masks["same"], a, 0.0)
@@ -487,12 +526,17 @@ def _solve_factors(a, masks, nb, precision):
     inv = _dot(inv, eye + power.value, _BATCH_NN, precision)
   inv, powers = _Operand(inv), []
   if nb > 1:
-    gm = _Operand(_dot(inv, a - d, _BATCH_NN, precision))
+    gm = _Operand(_lower_dot(inv, a - d, SUB, precision))
     powers.append(gm)
-    for _ in range(nb.bit_length() - 2):
-      gm = _Operand(_dot(gm, gm, _BATCH_NN, precision))
+    for p in range(1, nb.bit_length() - 1):
+      gm = _Operand(_lower_dot(gm, gm, _lower_rows(p), precision))
       powers.append(gm)
   return inv, powers
+
+
+def _lower_rows(p):
+  """The rows at the top of G^(2^p) that are 0 (G block strictly lower)."""
+  return SUB << p
 
 
 def _inverse(inv, powers, precision):
@@ -506,9 +550,9 @@ def _inverse(inv, powers, precision):
   (`benchmarks/kda_kernel_program.py`).
   """
   x = inv
-  for i, gm in enumerate(powers):
-    gx = _dot(gm, x, _BATCH_NN, precision)
-    x = _operand(x).value - gx if i == 0 else x + gx
+  for p, gm in enumerate(powers):
+    gx = _lower_dot(gm, x, _lower_rows(p), precision)
+    x = _operand(x).value - gx if p == 0 else x + gx
   return _operand(x)
 
 
@@ -820,8 +864,16 @@ def _scores_backward(x, d_aqk, ds, nb, precision):
     rows = slice(SUB * n, SUB * (n + 1))
     dsn = jnp.concatenate([d_aqk[:, rows], ds[:, rows]], axis=1)  # [hb,2S,C]
     dlhs = _dot(dsn, x["kcs"][n], _BATCH_NN, precision)  # [hb, 2S, K]
-    dkcs.append(_dot(jnp.swapaxes(dsn, 1, 2), x["lhs"][n], _BATCH_NN,
-                     precision))
+    # Block n's scores reach the tokens up to its end only: dS_n^T is 0
+    # below row 16 (n + 1), so only the rows above go through the product.
+    end = SUB * (n + 1)
+    dkc = _dot(jnp.swapaxes(dsn, 1, 2)[:, :end], x["lhs"][n], _BATCH_NN,
+               precision)  # [hb, 16 (n + 1), K]
+    if end < dsn.shape[2]:
+      dkc = jnp.concatenate(
+          [dkc, jnp.zeros((dkc.shape[0], dsn.shape[2] - end, dkc.shape[2]),
+                          _F32)], axis=1)
+    dkcs.append(dkc)
     dqr.append(dlhs[:, :SUB])
     dkr.append(dlhs[:, SUB:])
   return jnp.concatenate(dqr, axis=1), jnp.concatenate(dkr, axis=1), dkcs
@@ -883,9 +935,13 @@ def _backward_kernel(*refs, t: Config):
 
   dv_new = _Operand(_dot(swap(x["a_qk"]), do, _BATCH_NN, p.output)
                     + _dot(kend, dnext, _BATCH_NN, p.state))
-  dstate_ref[...] = (_dot(swap(qread), do, _BATCH_NN, p.state)
-                     + decay * dnext.value
-                     - _dot(swap(w_read), dv_new, _BATCH_NN, p.state))
+  # (Q exp G)^T dO - W^T dV_new as one product over 2C: [K, 2C] x [2C, V]
+  # streams K rows once, where two [K, C] x [C, V] products stream them twice.
+  stacked = _Operand.of(lambda a, b: jnp.concatenate([a, b], axis=1), do,
+                        dv_new)
+  dstate_ref[...] = (
+      _dot(swap(jnp.concatenate([qread, -w_read], axis=1)), stacked,
+           _BATCH_NN, p.state) + decay * dnext.value)
   d_aqk = jnp.where(masks["causal"], _dot(do, v_new, _BATCH_NT, p.output),
                     0.0)
   d_qread = _rows(_dot(do, state, _BATCH_NT, p.state), carry)  # [hb, C, K]
