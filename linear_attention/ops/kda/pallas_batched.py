@@ -390,39 +390,40 @@ def _factors_backward(f, d, c, nb):
   add rounding).
   """
   n_lanes = f["read"].shape[1]
-  row = jax.lax.broadcasted_iota(jnp.int32, (c, n_lanes), 0)
-  # (a shift, not a floor division: that is eight operations a lane)
-  row_block = jax.lax.shift_right_logical(row, SUB.bit_length() - 1)
-  rowsum = lambda x, m: jnp.sum(x[SUB * m:SUB * (m + 1)], axis=0,
-                                keepdims=True)
-  d_big = d["read"] * f["read"] + jnp.where(row == c - 1,
-                                            d["total"] * f["total"], 0.0)
-  d_suffix = d["to_end"] * f["to_end"]
-  # big = rows(before) + local, suffix = tail + rows(after).
-  d_local = d["rowf"] * f["rowf"] + d_big
-  d_totals = [jnp.zeros((1, n_lanes), _F32) for _ in range(nb)]
+  # Per 16-row block (aligned slices): no masks over [C, N], and a colfs
+  # cotangent ([16 (n + 1), N], `_scores_backward`) only where it is not 0.
+  blocks = lambda x: [x[SUB * m:SUB * (m + 1)] for m in range(
+      x.shape[0] // SUB)]
+  rowsum = lambda x: jnp.sum(x, axis=0, keepdims=True)
+  d_big = blocks(d["read"] * f["read"])
+  d_suffix = blocks(d["to_end"] * f["to_end"])
+  # big = rows(before) + local, suffix = tail + rows(after), and the total
+  # G_C = T_0 + ... + T_{nb-1}.
+  d_local = [a + b for a, b in zip(blocks(d["rowf"] * f["rowf"]), d_big)]
+  d_tail = list(d_suffix)
+  d_totals = [d["total"] * f["total"]] * nb
   for m in range(nb):
     if m > 0:  # before[m] = T_0 + ... + T_{m-1}
-      d_before = rowsum(d_big, m)
+      d_before = rowsum(d_big[m])
       for p in range(m):
         d_totals[p] = d_totals[p] + d_before
     if m < nb - 1:  # after[m] = T_{m+1} + ... + T_{nb-1}
-      d_after = rowsum(d_suffix, m)
+      d_after = rowsum(d_suffix[m])
       for p in range(m + 1, nb):
         d_totals[p] = d_totals[p] + d_after
-  d_tail = d_suffix  # suffix = tail + rows(after)
   for n in range(nb):
-    e = d["colfs"][n] * f["colfs"][n]  # zero after block n
-    for m in range(n):
-      em = rowsum(e, m)
+    e = blocks(d["colfs"][n] * f["colfs"][n][:SUB * (n + 1)])
+    for m in range(n):  # exp(h_n + T_{m+1} + ... + T_{n-1} + R_j)
+      em = rowsum(e[m])
       for p in range(m + 1, n):
         d_totals[p] = d_totals[p] + em
-    d_tail = d_tail + jnp.where(row < SUB * n, e, 0.0)
-    d_local = d_local - jnp.where(row_block == n, e, 0.0)
+      d_tail[m] = d_tail[m] + e[m]
+    d_local[n] = d_local[n] - e[n]  # exp(h_n - L_j)
+  last = jax.lax.broadcasted_iota(jnp.int32, (SUB, n_lanes), 0) == SUB - 1
   for m in range(nb):  # totals[m] = local[16m + 15]
-    d_local = d_local + jnp.where(row == SUB * m + SUB - 1, d_totals[m], 0.0)
+    d_local[m] = d_local[m] + jnp.where(last, d_totals[m], 0.0)
   return _exact_dot(_local_matrix(c, transpose=True),
-                    jnp.concatenate([d_local, d_tail], axis=0))
+                    jnp.concatenate(d_local + d_tail, axis=0))
 
 
 def _heads(x, hb, d):
@@ -857,23 +858,19 @@ def _scores_backward(x, d_aqk, ds, nb, precision):
 
   Block n's scores are [qr; kr]_n (k colf_n)^T; with dS_n its rows of
   (dA_qk, dS): d[qr; kr]_n = dS_n (k colf_n), d(k colf_n) = dS_n^T [qr; kr]_n.
-  Returns (dqr, dkr, [d(k colf_n)]).
+  Returns (dqr, dkr, [d(k colf_n)]), the last [hb, 16 (n + 1), K]: block
+  n's scores reach the keys up to its end only (colf_n is 0 after it).
   """
   dqr, dkr, dkcs = [], [], []
   for n in range(nb):
     rows = slice(SUB * n, SUB * (n + 1))
     dsn = jnp.concatenate([d_aqk[:, rows], ds[:, rows]], axis=1)  # [hb,2S,C]
     dlhs = _dot(dsn, x["kcs"][n], _BATCH_NN, precision)  # [hb, 2S, K]
-    # Block n's scores reach the tokens up to its end only: dS_n^T is 0
-    # below row 16 (n + 1), so only the rows above go through the product.
+    # dS_n^T is 0 below row 16 (n + 1): only the rows above go through
+    # the product.
     end = SUB * (n + 1)
-    dkc = _dot(jnp.swapaxes(dsn, 1, 2)[:, :end], x["lhs"][n], _BATCH_NN,
-               precision)  # [hb, 16 (n + 1), K]
-    if end < dsn.shape[2]:
-      dkc = jnp.concatenate(
-          [dkc, jnp.zeros((dkc.shape[0], dsn.shape[2] - end, dkc.shape[2]),
-                          _F32)], axis=1)
-    dkcs.append(dkc)
+    dkcs.append(_dot(jnp.swapaxes(dsn, 1, 2)[:, :end], x["lhs"][n],
+                     _BATCH_NN, precision))
     dqr.append(dlhs[:, :SUB])
     dkr.append(dlhs[:, SUB:])
   return jnp.concatenate(dqr, axis=1), jnp.concatenate(dkr, axis=1), dkcs
@@ -963,13 +960,15 @@ def _backward_kernel(*refs, t: Config):
   rowf3 = kh(f["rowf"])
   dq = d_qread * read3 + dqr * rowf3
   dk = d_kend * to_end3 + dr_w * read3 + dkr * rowf3
-  for n in range(nb):
-    dk = dk + dkcs[n] * kh(f["colfs"][n])
+  for n, dkc in enumerate(dkcs):  # the rows up to block n's end only
+    end = dkc.shape[1]
+    head = dk[:, :end] + dkc * kh(f["colfs"][n][:end])
+    dk = head if end == c else jnp.concatenate([head, dk[:, end:]], axis=1)
   d = dict(read=_lanes(d_qread * q3 + dr_w * k3),
            to_end=_lanes(d_kend * k3),
            total=_lanes(d_total),
            rowf=_lanes(dqr * q3 + dkr * k3),
-           colfs=[_lanes(dkc * k3) for dkc in dkcs])
+           colfs=[_lanes(dkc * k3[:, :dkc.shape[1]]) for dkc in dkcs])
   # Padding's g and beta were set to 0: no gradient reaches them.
   dg = _unpadded(_factors_backward(f, d, c, nb), seg["keep"])
   _write_gradients(r, (dq, dk, dv, dg, _rows(dbeta, seg["keep"])), rate,
