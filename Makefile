@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs
 PYTHON_TPU ?= $(BIN)/python
 
-.PHONY: test test-tpu experiment venv lock clean
+.PHONY: test test-tpu experiment venv lock clean bundles
 
 venv: $(STAMP)
 
@@ -38,8 +38,23 @@ PIECES ?=
 test-tpu:
 	PYTHON=$(PYTHON_TPU) tests/tpu.sh $(PIECES)
 
+# The kernels' static schedules for a TPU v5e on any host: the locked libtpu
+# (not installed: unpacked into .libtpu/) compiles them for a compile-only
+# v5e, and benchmarks/kda_kernel_bundles.py counts their VLIW bundles.
+LIBTPU_WHEEL := $(shell sed -n 's/^libtpu==//p' requirements/lock-tpu.txt)
+.libtpu/libtpu/libtpu.so:
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: \
+	  --python-version 3.12 --platform manylinux_2_31_x86_64 -d .libtpu \
+	  libtpu==$(LIBTPU_WHEEL)
+	$(BIN)/python -m zipfile -e .libtpu/libtpu-$(LIBTPU_WHEEL)-*.whl .libtpu
+	touch $@
+
+bundles: $(STAMP) .libtpu/libtpu/libtpu.so
+	$(BIN)/python -m benchmarks.kda_kernel_bundles \
+	  --out=$(WORKDIR)/kda_kernel_bundles --libtpu=.libtpu/libtpu/libtpu.so
+
 experiment: $(STAMP)
 	$(BIN)/python -m experiments.ablate --config=configs/mqar.py --mixers=kda,kda_zeroed --workdir=$(WORKDIR)/mqar_ablation
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info .libtpu

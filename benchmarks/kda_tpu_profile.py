@@ -79,6 +79,7 @@ from benchmarks import kda_speed
 from benchmarks import kda_tpu
 from experiments.tools import cli
 from linear_attention import ops
+from linear_attention.ops import backends
 from linear_attention.ops.kda import gates
 from linear_attention.ops.kda import mosaic
 from linear_attention.ops.kda import pallas_batched
@@ -94,11 +95,17 @@ IMPLS = ("chunked", "kernel", "batched", "batched_hb16", "batched_strided",
 PASSES = ("fwd", "fwd_bwd")
 
 
+def _interpret():
+  """Pallas interpret mode unless the function is traced for a TPU (the
+  device here, or the one lowered for: `mosaic.lowering_mode`)."""
+  return backends.target_platform() != "tpu"
+
+
 def kernel_op(heads_per_block=None, forward=pallas_tpu.kda_forward):
   """f(q, k, v, g, beta, a_log, dt_bias) -> o through our Pallas kernel."""
-  interpret = jax.devices()[0].platform != "tpu"
 
   def f(q, k, v, g, beta, a_log, dt_bias):
+    interpret = _interpret()
     d = q.shape[-1]
     dtype = q.dtype
     qn = gates.l2_normalize(q, dtype=jnp.float32) * d ** -0.5
@@ -152,10 +159,10 @@ def batched_op(heads_per_block=None, strided=False, fused_backward=False,
   with `states`, per-segment initial and final states. heads_per_block:
   a number, "all" (H) or None (the kernel's default); `chunk` tokens a
   chunk; `strided_backward` as `pallas_batched.kda` takes it."""
-  interpret = jax.devices()[0].platform != "tpu"
   n = _num_segments(segment_ids, states)
 
   def f(q, k, v, g, beta, a_log, dt_bias):
+    interpret = _interpret()
     s0 = _segment_states(n, q, v)
     hb = q.shape[2] if heads_per_block == "all" else heads_per_block
     o, final = pallas_batched.kda(
