@@ -13,7 +13,10 @@ the same names, forward and backward (`fwd_bwd`), at the shapes the chip
 timed. A grid step runs the kernel's body once, so bundles x grid steps is
 the kernel's issue cycles when nothing stalls: against the chip's measured
 kernel times (docs/kernel.md) that is the clock, and a change to the kernel
-can be weighed here before a chip times it.
+can be weighed here before a chip times it. Each row also holds libtpu's
+slot-uses per unit (slots a bundle and uses in all: the matrix units,
+the vector ALUs, loads, stores and, among them, register spills and
+fills), so uses / slots is the fewest bundles that unit alone needs.
 
 `--source=CHECKOUT` compiles the kernels of another checkout of this
 repository (its `linear_attention`; the configurations and this script
@@ -45,6 +48,8 @@ CONFIGS = (
     ("f32_high", (1, 8192, 32, 128), "float32", "batched_fused", "high"),
 )
 _SCHEDULE = re.compile(r"^\d+-(.+)-\d+-schedule-analysis_final_bundles\.txt$")
+_UNITS = re.compile(
+    r"^\d+-(.+)-\d+-final_hlo-static-per-bundle-utilization\.txt$")
 
 
 def _git(source, *args):
@@ -55,20 +60,35 @@ def _git(source, *args):
     return None
 
 
-def schedules(dump, seen):
-  """{program: bundles} for the schedule analyses in `dump` not in
-  `seen` (file names; updated)."""
-  out = {}
+def drain(dump):
+  """{program: (bundles, units)} from the schedule analyses and per-bundle
+  utilizations libtpu wrote to `dump`, whose files are then removed (the
+  next compile's programs may have the same names). units: {unit: (slots
+  a bundle, slot-uses in all)} (the matrix units, the vector ALUs, loads,
+  stores, spills and fills, ...), or {} without a utilization file."""
+  bundles, used = {}, {}
   for name in sorted(os.listdir(dump)):
-    m = _SCHEDULE.match(name)
-    if not m or name in seen:
-      continue
-    seen.add(name)
-    with open(os.path.join(dump, name)) as fh:
-      total = re.search(r"total scheduled bundles:\s+(\d+)", fh.read())
-    if total:
-      out[m[1]] = int(total[1])
-  return out
+    path = os.path.join(dump, name)
+    schedule, utilization = _SCHEDULE.match(name), _UNITS.match(name)
+    if schedule:
+      with open(path) as fh:
+        total = re.search(r"total scheduled bundles:\s+(\d+)", fh.read())
+      if total:
+        bundles[schedule[1]] = int(total[1])
+    elif utilization:
+      with open(path) as fh:
+        lines = fh.read().split("\n")
+      names = [x.strip() for x in lines[1].split(",")]
+      slots = [int(x) for x in lines[2].split()]
+      totals = [0] * len(names)
+      for line in lines[4:]:
+        for i, x in enumerate(line.split()):
+          totals[i] += int(x)
+      used[utilization[1]] = {n: (c, t)
+                              for n, c, t in zip(names, slots, totals)}
+    if os.path.isfile(path):
+      os.remove(path)
+  return {p: (n, used.get(p, {})) for p, n in bundles.items()}
 
 
 def _grids(jaxpr):
@@ -132,8 +152,8 @@ def main():
   topology = topologies.get_topology_desc("v5e=1x1", platform="tpu")
   mesh = jax.sharding.Mesh(topology.devices[0:1], ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  seen, rows = set(), []
-  schedules(dump, seen)
+  rows = []
+  drain(dump)
   for name, (b, t, h, d), dtype, impl, precision in CONFIGS:
     if name not in names:
       continue
@@ -151,7 +171,7 @@ def main():
       lowered = traced.lower()
     lowered.compile()
     grids = _grids(traced.jaxpr.jaxpr)
-    found = schedules(dump, seen)
+    found = drain(dump)
     kernels = [k for k in found
                if re.search(r"_forward|_backward|_kernel", k)]
     if len(kernels) != len(grids):
@@ -161,14 +181,19 @@ def main():
       steps = 1
       for n in grid:
         steps *= n
+      n, used = found[kernel]
       rows.append(dict(config=name, shape=[b, t, h, d], dtype=dtype,
                        impl=impl, precision=precision, kernel=kernel,
-                       bundles=found[kernel], grid=list(grid),
-                       grid_steps=steps,
-                       cycles=found[kernel] * steps))
-      print(f"{name:>13} {kernel:>34}: {found[kernel]:>6} bundles x"
-            f" {steps:>5} steps = {found[kernel] * steps / 1e6:.3f} M"
-            f" cycles ({time.monotonic() - start:.0f} s)", flush=True)
+                       bundles=n, grid=list(grid), grid_steps=steps,
+                       cycles=n * steps,
+                       units={u: dict(slots=c, uses=n)
+                              for u, (c, n) in used.items()}))
+      busiest = ", ".join(f"{u} {n / c:.0f}" for u, (c, n) in sorted(
+          used.items(), key=lambda x: -x[1][1] / x[1][0])[:3])
+      print(f"{name:>13} {kernel:>34}: {n:>6} bundles x"
+            f" {steps:>5} steps = {n * steps / 1e6:.3f} M"
+            f" cycles; fullest units (bundles): {busiest}"
+            f" ({time.monotonic() - start:.0f} s)", flush=True)
   report = dict(
       chip="TPU v5e (compile-only topology v5e=1x1)", jax=jax.__version__,
       libtpu=_libtpu_version(libtpu), source=source,

@@ -17,17 +17,32 @@ ANALYSIS = """Schedule analysis:
 """
 
 
-def test_reads_each_programs_total_once(tmp_path):
+UTILIZATION = """== CAPACTIY:
+MXU, XLU, VALU, VSTORE, VSTORE:SPILL
+    4     3     4     1     1
+== UTILIZATION:
+0 0 0 0 0
+4 1 2 1 1
+2 0 4 1 0
+"""
+
+
+def test_reads_each_programs_bundles_and_units_then_clears(tmp_path):
   files = {"1796-jvp_jit__forward__.2-71-schedule-analysis_final_bundles.txt":
-               9087,
-           "1797-copy.2-65-schedule-analysis_final_bundles.txt": 1415,
-           "1798-jvp_jit__forward__.2-70-final_bundles.txt": 5}
-  for name, n in files.items():
-    (tmp_path / name).write_text(ANALYSIS.format(n=n, m=n - 12))
-  seen = set()
-  assert bundles.schedules(str(tmp_path), seen) == {
-      "jvp_jit__forward__.2": 9087, "copy.2": 1415}
-  assert bundles.schedules(str(tmp_path), seen) == {}  # read already
+               ANALYSIS.format(n=9087, m=9075),
+           "1796-jvp_jit__forward__.2-70-final_hlo-static-per-bundle-"
+           "utilization.txt": UTILIZATION,
+           "1797-copy.2-65-schedule-analysis_final_bundles.txt":
+               ANALYSIS.format(n=1415, m=1403),
+           "1798-jvp_jit__forward__.2-72-final_bundles.txt": "bundles"}
+  for name, text in files.items():
+    (tmp_path / name).write_text(text)
+  assert bundles.drain(str(tmp_path)) == {
+      "jvp_jit__forward__.2": (9087, {"MXU": (4, 6), "XLU": (3, 1),
+                                      "VALU": (4, 6), "VSTORE": (1, 2),
+                                      "VSTORE:SPILL": (1, 1)}),
+      "copy.2": (1415, {})}
+  assert not list(tmp_path.iterdir())  # the next compile starts clean
 
 
 def test_a_missing_libtpu_is_named(tmp_path):
