@@ -46,6 +46,11 @@ CONFIGS = (
     ("bf16_hb16_b8", (8, 4096, 16, 128), "bfloat16", "batched_hb16_fused",
      "auto"),
     ("f32_high", (1, 8192, 32, 128), "float32", "batched_fused", "high"),
+    # Heads a step: 8, 4 and all 32 against the 16 above.
+    ("bf16_hb8", (1, 8192, 32, 128), "bfloat16", "batched_hb8_fused", "auto"),
+    ("bf16_hb4", (1, 8192, 32, 128), "bfloat16", "batched_hb4_fused", "auto"),
+    ("bf16_hball", (1, 8192, 32, 128), "bfloat16", "batched_hball_fused",
+     "auto"),
 )
 _SCHEDULE = re.compile(r"^\d+-(.+)-\d+-schedule-analysis_final_bundles\.txt$")
 _UNITS = re.compile(
