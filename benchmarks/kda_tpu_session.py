@@ -36,11 +36,11 @@ the steps still owed:
 3. `float32_t8192`: float32 inputs, our kernels at HIGH against one pass
    (the 1.3x target; 1.56x and 1.70x before ccc91b0 split each operand
    that several products read once, `pallas_batched._Operand`). Steps 1
-   and 3 are the first timings of the kernels of 4bdd812 (the exponents
+   and 3 are the first timings of the kernels of 16041ff (the exponents
    from local sums, the solve's inverse formed and applied once, zero rows
-   left out of products: 22% and 30% fewer matrix-unit row passes forward
-   and backward by the model of `benchmarks/kda_kernel_program.py`; step
-   1's pair took 1.90 and 6.42 ms of device time before).
+   left out of products: their schedules, `kda_kernel_bundles.py`, put
+   them at 0.82-0.90 of the cycles of the kernels timed last; step 1's
+   pair took 1.90 and 6.42 ms of device time then).
 4. `strided_pair_t2048`, `strided_pair_t1024`: forward+backward, the
    strided kernels against 16 heads a step (both kernels run strided from
    T 4096 only, `pallas.STRIDED`, where they were timed faster).
