@@ -18,6 +18,12 @@ slot-uses per unit (slots a bundle and uses in all: the matrix units,
 the vector ALUs, loads, stores and, among them, register spills and
 fills), so uses / slots is the fewest bundles that unit alone needs.
 
+It also compiles the op's `pallas` backend forward and backward for the
+v5e in each form it takes (`VARIANTS`: T not a multiple of the chunk,
+float32, packed segments with and without per-segment states,
+chunk-boundary states), each row "compiled" or the compiler's error: a
+layout or an operation Mosaic cannot lower fails here, not on a chip.
+
 `--source=CHECKOUT` compiles the kernels of another checkout of this
 repository (its `linear_attention`; the configurations and this script
 stay this one's), so that a commit the chip timed can be counted with the
@@ -51,6 +57,21 @@ CONFIGS = (
     ("bf16_hb4", (1, 8192, 32, 128), "bfloat16", "batched_hb4_fused", "auto"),
     ("bf16_hball", (1, 8192, 32, 128), "bfloat16", "batched_hball_fused",
      "auto"),
+)
+# (name, B, T, H, dtype, op keywords): the op's forms on backend "pallas".
+VARIANTS = (
+    ("padded_t1000", 2, 1000, 16, "bfloat16", dict(output_final_state=True)),
+    ("float32_auto", 1, 2048, 16, "float32", dict(output_final_state=True)),
+    ("packed_segments", 2, 4096, 16, "bfloat16", dict(segments=True)),
+    ("per_segment_states", 2, 4096, 16, "bfloat16",
+     dict(segments=True, max_num_segments=4, output_final_state=True)),
+    ("chunk_states_1024", 1, 8192, 16, "bfloat16",
+     dict(output_chunk_states=True, chunk_states_every=1024,
+          output_final_state=True)),
+    ("chunk_states_64", 1, 2048, 16, "bfloat16",
+     dict(output_chunk_states=True, chunk_states_every=64,
+          output_final_state=True)),
+    ("float32_packed_segments", 2, 2048, 16, "float32", dict(segments=True)),
 )
 _SCHEDULE = re.compile(r"^\d+-(.+)-\d+-schedule-analysis_final_bundles\.txt$")
 _UNITS = re.compile(
@@ -199,16 +220,56 @@ def main():
             f" {steps:>5} steps = {n * steps / 1e6:.3f} M"
             f" cycles; fullest units (bundles): {busiest}"
             f" ({time.monotonic() - start:.0f} s)", flush=True)
+  variants = []
+  for name, b, t, h, dtype, kw in VARIANTS:
+    variants.append(dict(variant=name, shape=[b, t, h, 128], dtype=dtype,
+                         result=_compile_variant(b, t, h, dtype, kw,
+                                                 sharding, mesh)))
+    drain(dump)
+    print(f"{name:>24}: {variants[-1]['result'][:300]}", flush=True)
   report = dict(
       chip="TPU v5e (compile-only topology v5e=1x1)", jax=jax.__version__,
       libtpu=_libtpu_version(libtpu), source=source,
       source_commit=_git(source, "rev-parse", "HEAD"),
       source_dirty=bool(_git(source, "status", "--porcelain",
                              "linear_attention")),
-      script_commit=_git(os.getcwd(), "rev-parse", "HEAD"), rows=rows)
+      script_commit=_git(os.getcwd(), "rev-parse", "HEAD"), rows=rows,
+      variants=variants)
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "kda_kernel_bundles.json"), "w") as fh:
     json.dump(report, fh, indent=1)
+
+
+def _compile_variant(b, t, h, dtype, kw, sharding, mesh):
+  """"compiled", or the error compiling the op's forward and backward on
+  backend "pallas" for the v5e."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  from linear_attention import ops
+  from linear_attention.ops.kda import mosaic
+  kw = dict(kw)
+  segments = kw.pop("segments", False)
+  d, f32 = 128, jnp.float32
+  arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+  args = [arg((b, t, h, d), dtype)] * 4 + [
+      arg((b, t, h), dtype), arg((h,), f32), arg((h * d,), f32)]
+  args += [arg((b, t), jnp.int32)] if segments else []
+
+  def loss(q, k, v, g, beta, a_log, dt_bias, *segment_ids):
+    out = ops.kimi_delta_attention(
+        q, k, v, g, beta, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+        use_gate_in_kernel=True, use_qk_l2norm=True, backend="pallas",
+        segment_ids=segment_ids[0] if segment_ids else None, **kw)
+    return sum(jnp.sum(x.astype(f32)) for x in jax.tree.leaves(out))
+
+  try:
+    with mosaic.lowering_mode("v5e", mesh=mesh):
+      lowered = jax.jit(jax.grad(loss, argnums=tuple(range(7)))).lower(*args)
+    lowered.compile()
+    return "compiled"
+  except Exception as e:  # pylint: disable=broad-except
+    return f"error: {e!r}"[:4000]
 
 
 def _libtpu_version(path):
