@@ -24,13 +24,13 @@ exponent safety), measured on a TPU v5e in docs/kernel.md:
   head after another; the elementwise work runs on the whole [C, hb*K]
   block.
 * The exponents come from one [2C, C] 0/1 matrix (16-token local prefix
-  and suffix sums) times g split into three bfloat16 pieces (exact: the matrix is
-  exact in bfloat16 and every piece's product is exact), instead of a
-  [(3 + C/16) C + 8, C] matrix at HIGHEST (six passes); the prefix and
-  suffix sums and the per-block factors are then formed on the vector unit
-  from the local sums and the block totals (|sum| <= 80 when g >= -5, so no
-  factor overflows and no exponent is a difference of two sums over more
-  than 16 tokens: whole-block totals are added, never subtracted).
+  and suffix sums) times g split into three bfloat16 pieces (exact: the
+  matrix is exact in bfloat16 and every piece's product is exact), instead
+  of a [(3 + C/16) C + 8, C] matrix at HIGHEST (six passes); the prefix
+  and suffix sums and the per-block factors are then formed on the vector
+  unit from the local sums and the block totals (|sum| <= 80 when g >= -5,
+  so no factor overflows and no exponent is a difference of two sums over
+  more than 16 tokens: whole-block totals are added, never subtracted).
 * The solve is blocked twice: the 16 x 16 diagonal blocks D are inverted by
   repeated squaring ((I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8)), then
   with G = (I + D)^-1 F for the off-diagonal part F, (I + A)^-1 =
