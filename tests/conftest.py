@@ -31,9 +31,20 @@ _CACHE_DIR = pytest.StashKey[str]()
 
 def pytest_configure(config):
   """One persistent JAX compilation cache for the whole run, shared by the
-  xdist workers and the command lines the tests start (they inherit the
-  environment): the many runs of the same smoke configs then compile once.
-  A cache already named in the environment is used as it is."""
+  command lines the tests start (they inherit the environment): the many
+  runs of the same smoke configs then compile once. A cache already named
+  in the environment is used as it is.
+
+  On the CPU the test processes themselves write no entries: twice a CI
+  run on the 2-core host lost an xdist worker to a segmentation fault in
+  jaxlib's `executable.serialize()`, the cache's write of a CPU executable
+  (in `test_kda_randomized`, then in
+  `test_packed_segments_in_bfloat16_at_one_pass`), and xdist hung once
+  after it. Their programs are mostly each test's own, so little is lost;
+  a TPU run (tests/tpu.sh) keeps the cache between its pieces."""
+  if _CPU_ONLY:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_enable_compilation_cache", False)
   if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in \
       os.environ:
     return
