@@ -10,20 +10,15 @@ import tempfile
 
 import pytest
 
-# On the CPU (the default platform here) XLA compiles at LLVM's -O1, not
-# -O3: the suite is mostly the compilation of small programs, run a few
-# times each. Measured on the 2-core host: 11-19% less CPU time in tests
-# that compile and run layers, and the chunked op's loss and gradients (B2
-# T200 H2 K32) bit for bit those of -O3. (-O0 saved 36-46% but moved
-# results: `gates.exp`'s evaluation then 1.06-1.19 ulp where -O3 gave 0.80,
-# since it does not fuse multiplies and adds (nor does a TPU; `gates.exp`
-# now keeps an ulp either way), and a gradient past its bound; so not
-# -O0.) A TPU run (JAX_PLATFORMS=tpu,cpu,
-# tests/tpu.sh) keeps XLA's defaults.
-_CPU_ONLY = os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8"
-                      + (" --xla_backend_optimization_level=1"
-                         if _CPU_ONLY else ""))
+# XLA compiles at its default optimization level. (LLVM -O1 on the CPU saved
+# 11-19% of CPU time in tests that compile and run layers, but in three runs
+# of the whole suite on the 2-core host an xdist worker died of a
+# segmentation fault inside XLA's CPU compilation or its serialization of
+# the result: in test_kda_randomized, test_packed_segments_in_bfloat16_at_
+# one_pass and test_pallas_kernels_as_the_per_rank_engine, none in the runs
+# before it; -O0 moved results: `gates.exp` past an ulp, a gradient past its
+# bound.)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _CACHE_DIR = pytest.StashKey[str]()
@@ -31,20 +26,9 @@ _CACHE_DIR = pytest.StashKey[str]()
 
 def pytest_configure(config):
   """One persistent JAX compilation cache for the whole run, shared by the
-  command lines the tests start (they inherit the environment): the many
-  runs of the same smoke configs then compile once. A cache already named
-  in the environment is used as it is.
-
-  On the CPU the test processes themselves write no entries: twice a CI
-  run on the 2-core host lost an xdist worker to a segmentation fault in
-  jaxlib's `executable.serialize()`, the cache's write of a CPU executable
-  (in `test_kda_randomized`, then in
-  `test_packed_segments_in_bfloat16_at_one_pass`), and xdist hung once
-  after it. Their programs are mostly each test's own, so little is lost;
-  a TPU run (tests/tpu.sh) keeps the cache between its pieces."""
-  if _CPU_ONLY:
-    import jax  # pylint: disable=g-import-not-at-top
-    jax.config.update("jax_enable_compilation_cache", False)
+  xdist workers and the command lines the tests start (they inherit the
+  environment): the many runs of the same smoke configs then compile once.
+  A cache already named in the environment is used as it is."""
   if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in \
       os.environ:
     return
