@@ -11,13 +11,12 @@ import tempfile
 import pytest
 
 # XLA compiles at its default optimization level. (LLVM -O1 on the CPU saved
-# 11-19% of CPU time in tests that compile and run layers, but in three runs
-# of the whole suite on the 2-core host an xdist worker died of a
-# segmentation fault inside XLA's CPU compilation or its serialization of
-# the result: in test_kda_randomized, test_packed_segments_in_bfloat16_at_
-# one_pass and test_pallas_kernels_as_the_per_rank_engine, none in the runs
-# before it; -O0 moved results: `gates.exp` past an ulp, a gradient past its
-# bound.)
+# 11-19% of CPU time in tests that compile and run layers; it was dropped
+# when xdist workers began dying of segmentation faults inside XLA's CPU
+# compilation or its serialization of the result, but the crash came back
+# at the default level too, in test_pallas_kernels_as_the_per_rank_engine:
+# its cause is open. -O0 moved results: `gates.exp` past an ulp, a gradient
+# past its bound.)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
