@@ -960,10 +960,7 @@ def _backward_kernel(*refs, t: Config):
   rowf3 = kh(f["rowf"])
   dq = d_qread * read3 + dqr * rowf3
   dk = d_kend * to_end3 + dr_w * read3 + dkr * rowf3
-  for n, dkc in enumerate(dkcs):  # the rows up to block n's end only
-    end = dkc.shape[1]
-    head = dk[:, :end] + dkc * kh(f["colfs"][n][:end])
-    dk = head if end == c else jnp.concatenate([head, dk[:, end:]], axis=1)
+  dk = _add_column_factored(dk, dkcs, f["colfs"], hb, kd)
   d = dict(read=_lanes(d_qread * q3 + dr_w * k3),
            to_end=_lanes(d_kend * k3),
            total=_lanes(d_total),
@@ -980,6 +977,17 @@ def _backward_kernel(*refs, t: Config):
     @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
     def _():
       r["ds0"][...] = dstate_ref[...]
+
+
+def _add_column_factored(dk, dkcs, colfs, hb, kd):
+  """dk [hb, C, K] plus each block's d(k colf_n) * colf_n, on the rows up to
+  block n's end only (`_scores_backward`'s dkcs[n] has just those)."""
+  c = dk.shape[1]
+  for dkc, colf in zip(dkcs, colfs):
+    end = dkc.shape[1]
+    head = dk[:, :end] + dkc * _heads(colf[:end], hb, kd)
+    dk = head if end == c else jnp.concatenate([head, dk[:, end:]], axis=1)
+  return dk
 
 
 def _backward_step_start(r, t: Config, step, flags):
