@@ -971,12 +971,18 @@ def _backward_kernel(*refs, t: Config):
   _write_gradients(r, (dq, dk, dv, dg, _rows(dbeta, seg["keep"])), rate,
                    saved, t)
 
+  _write_initial_cotangent(r, t, step)
+
+
+def _write_initial_cotangent(r, t: Config, step):
+  """dX into the initial state's block: at each run's first chunk with
+  `t.run_states`, else at chunk 0 (the backward's last step)."""
   if t.run_states:  # the run's block holds dX at its first chunk
-    r["ds0"][...] = dstate_ref[...]
+    r["ds0"][...] = r["dstate"][...]
   else:
     @pl.when(step == pl.num_programs(1) - 1)  # chunk 0: dX is the initial's
     def _():
-      r["ds0"][...] = dstate_ref[...]
+      r["ds0"][...] = r["dstate"][...]
 
 
 def _add_column_factored(dk, dkcs, colfs, hb, kd):
