@@ -4,20 +4,28 @@ Multi-device tests run on simulated CPU devices; the flag must be set before
 jax is imported, so it lives here, the first file pytest loads.
 """
 
+import gc
 import os
 import shutil
 import tempfile
 
 import pytest
 
-# XLA compiles at its default optimization level. (LLVM -O1 on the CPU saved
-# 11-19% of CPU time in tests that compile and run layers; it was dropped
-# when xdist workers began dying of segmentation faults inside XLA's CPU
-# compilation or its serialization of the result, but the crash came back
-# at the default level too, in test_pallas_kernels_as_the_per_rank_engine:
-# its cause is open. -O0 moved results: `gates.exp` past an ulp, a gradient
-# past its bound.)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# On the CPU (the default platform here) XLA compiles at LLVM's -O1, not
+# -O3: the suite is mostly the compilation of small programs, run a few
+# times each. Measured on the 2-core host: 11-19% less CPU time in tests
+# that compile and run layers, and the chunked op's loss and gradients (B2
+# T200 H2 K32) bit for bit those of -O3. (-O0 saved 36-46% but moved
+# results: `gates.exp`'s evaluation then 1.06-1.19 ulp where -O3 gave 0.80,
+# since it does not fuse multiplies and adds (nor does a TPU; `gates.exp`
+# now keeps an ulp either way), and a gradient past its bound; so not
+# -O0.) The workers that died inside XLA's compiles were out of memory
+# maps, at any level (`release_programs`, below). A TPU run
+# (JAX_PLATFORMS=tpu,cpu, tests/tpu.sh) keeps XLA's defaults.
+_CPU_ONLY = os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8"
+                      + (" --xla_backend_optimization_level=1"
+                         if _CPU_ONLY else ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _CACHE_DIR = pytest.StashKey[str]()
@@ -83,3 +91,55 @@ def pytest_runtest_logreport(report):
   if report.when == "call" or report.outcome != "passed":
     with open(path, "a", encoding="utf-8") as f:
       f.write(f"{report.outcome}\t{report.nodeid}\t{report.duration:.2f}\n")
+
+
+# Every program a process has compiled stays in memory while JAX's caches
+# hold it, and XLA's CPU backend maps each compiled kernel's code and data
+# separately: one interpret-mode test of the Pallas kernels leaves about
+# 1,200 memory maps behind, and an xdist worker gained about 50 a second in
+# those tests. Linux allows a process vm.max_map_count of them (65,530 by
+# default); past it XLA cannot map a new program and dies inside the compile
+# or the compilation cache's serialization (`LLVM ERROR: Unable to allocate
+# section memory`, an abort, or a segmentation fault), as xdist workers did
+# about halfway through the suite, and as one process did at once with the
+# limit lowered to 3,000. So after each test a process past half its limit
+# drops JAX's caches (the persistent cache on disk keeps the programs).
+_MAPS = "/proc/self/maps"
+_MAP_LIMIT = "/proc/sys/vm/max_map_count"
+
+
+def memory_maps():
+  """This process's memory maps, or None where /proc does not count them."""
+  try:
+    with open(_MAPS, "rb") as f:
+      return f.read().count(b"\n")
+  except OSError:
+    return None
+
+
+def map_limit():
+  """The kernel's limit on a process's memory maps (None if unknown)."""
+  try:
+    with open(_MAP_LIMIT, encoding="utf-8") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+def release_programs(limit=None):
+  """Drops JAX's caches (and with them the compiled programs no one else
+  holds) if this process has more than half of `limit` memory maps (default
+  `map_limit()`). Returns whether it did."""
+  limit, maps = limit or map_limit(), memory_maps()
+  if not limit or maps is None or maps <= limit // 2:
+    return False
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
+  gc.collect()
+  return True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+  del item
+  release_programs()
