@@ -48,6 +48,7 @@ import time
 from typing import Sequence
 
 from absl import logging
+import jax
 import ml_collections
 
 from experiments.sweeps import run_lock
@@ -451,6 +452,11 @@ def _train_unfinished(runs: Sequence[Run], workdir: str,
         logging.warning("Run %s diverged: %s", run.name, e)
         metrics_lib.write_atomic(os.path.join(run_dir, "error.json"),
                                  json.dumps(dict(error=str(e))))
+      # The run's compiled programs go: each holds memory maps (about a
+      # thousand for a smoke run on a CPU), and a process that kept every
+      # run's would meet the kernel's limit on them (65,530 by default on
+      # Linux; XLA dies in its next compile there) within a long sweep.
+      jax.clear_caches()
       trained.append(run)
       elapsed = time.time() - t0
       logging.info("Sweep: %d runs trained by this process in %.0f s.",

@@ -24,6 +24,7 @@ from experiments.training import metrics
 from experiments.training import model as model_lib
 from experiments.training import program as program_lib
 from experiments.training import train
+from tests import conftest
 from tests.experiments import argmax_ties
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -345,14 +346,29 @@ SMOKE_ONLY = "stack_T32/kda_"  # two seeds of one cell: enough to aggregate
 SMOKE_RUNS = ["stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"]
 
 
+# The process's memory maps as each smoke run started and ended
+# (`conftest.memory_maps`), recorded by the `smoke_sweep` fixture.
+_MAPS_AROUND_RUNS = []
+
+
 @pytest.fixture(scope="module")
 def smoke_sweep(tmp_path_factory):
   """(sweep, workdir, trained runs): the smoke sweep's two runs, trained once
   per test process; tests that change the workdir take a copy."""
   sweep = kimi_synthetic.get_config("smoke")
   workdir = str(tmp_path_factory.mktemp("smoke_sweep"))
-  trained = sweep_lib.run_sweep(sweep, workdir, only=SMOKE_ONLY,
-                                code_version="c1")
+  real = train.train_and_evaluate
+
+  def counted(*args, **kwargs):
+    start = conftest.memory_maps()
+    summary = real(*args, **kwargs)
+    _MAPS_AROUND_RUNS.append((start, conftest.memory_maps()))
+    return summary
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(train, "train_and_evaluate", counted)
+    trained = sweep_lib.run_sweep(sweep, workdir, only=SMOKE_ONLY,
+                                  code_version="c1")
   return sweep, workdir, trained
 
 
@@ -396,6 +412,17 @@ def test_smoke_sweep_trains_each_run_once_and_skips_held_ones(
       sweep, workdir, only=trained[0].name, code_version="c3")] == [
           trained[0].name]
   assert sweep_lib.read_commits(run_dir) == ["c3"]
+
+
+@pytest.mark.xdist_group("smoke_sweep")
+@pytest.mark.skipif(conftest.memory_maps() is None,
+                    reason="this host's /proc does not count memory maps")
+def test_a_sweep_process_lets_each_finished_runs_programs_go(smoke_sweep):
+  del smoke_sweep  # trained its two runs in this process
+  (start0, end0), (start1, _) = _MAPS_AROUND_RUNS[:2]
+  grown = end0 - start0  # the first run's programs' maps
+  assert grown > 200, _MAPS_AROUND_RUNS
+  assert start1 - start0 < grown // 4, _MAPS_AROUND_RUNS
 
 
 @pytest.mark.xdist_group("smoke_sweep")
