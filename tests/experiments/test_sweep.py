@@ -346,9 +346,9 @@ SMOKE_ONLY = "stack_T32/kda_"  # two seeds of one cell: enough to aggregate
 SMOKE_RUNS = ["stack_T32/kda_seed0_lr0.003", "stack_T32/kda_seed1_lr0.003"]
 
 
-# The process's memory maps as each smoke run started and ended
-# (`conftest.memory_maps`), recorded by the `smoke_sweep` fixture.
-_MAPS_AROUND_RUNS = []
+# The process's memory maps before and after the `smoke_sweep` fixture's
+# sweep (`conftest.memory_maps`).
+_MAPS_AROUND_SWEEP = []
 
 
 @pytest.fixture(scope="module")
@@ -357,18 +357,10 @@ def smoke_sweep(tmp_path_factory):
   per test process; tests that change the workdir take a copy."""
   sweep = kimi_synthetic.get_config("smoke")
   workdir = str(tmp_path_factory.mktemp("smoke_sweep"))
-  real = train.train_and_evaluate
-
-  def counted(*args, **kwargs):
-    start = conftest.memory_maps()
-    summary = real(*args, **kwargs)
-    _MAPS_AROUND_RUNS.append((start, conftest.memory_maps()))
-    return summary
-
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(train, "train_and_evaluate", counted)
-    trained = sweep_lib.run_sweep(sweep, workdir, only=SMOKE_ONLY,
-                                  code_version="c1")
+  before = conftest.memory_maps()
+  trained = sweep_lib.run_sweep(sweep, workdir, only=SMOKE_ONLY,
+                                code_version="c1")
+  _MAPS_AROUND_SWEEP[:] = [before, conftest.memory_maps()]
   return sweep, workdir, trained
 
 
@@ -417,12 +409,19 @@ def test_smoke_sweep_trains_each_run_once_and_skips_held_ones(
 @pytest.mark.xdist_group("smoke_sweep")
 @pytest.mark.skipif(conftest.memory_maps() is None,
                     reason="this host's /proc does not count memory maps")
-def test_a_sweep_process_lets_each_finished_runs_programs_go(smoke_sweep):
-  del smoke_sweep  # trained its two runs in this process
-  (start0, end0), (start1, _) = _MAPS_AROUND_RUNS[:2]
-  grown = end0 - start0  # the first run's programs' maps
-  assert grown > 200, _MAPS_AROUND_RUNS
-  assert start1 - start0 < grown // 4, _MAPS_AROUND_RUNS
+def test_a_sweep_process_lets_each_finished_runs_programs_go(
+    smoke_sweep, tmp_path):
+  sweep, _, trained = smoke_sweep
+  before, after_sweep = _MAPS_AROUND_SWEEP
+  # A third run of the cell trained directly (not by the sweep): the maps
+  # one run's programs hold while the process keeps them.
+  config = trained[0].config.copy_and_resolve_references()
+  config.seed = 7
+  train.train_and_evaluate(config, str(tmp_path / "run"))
+  one_run = conftest.memory_maps() - after_sweep
+  assert one_run > 200, (before, after_sweep, one_run)
+  # The sweep trained two runs and kept neither's programs.
+  assert after_sweep - before < one_run // 2, (before, after_sweep, one_run)
 
 
 @pytest.mark.xdist_group("smoke_sweep")

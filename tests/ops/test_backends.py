@@ -87,15 +87,15 @@ def test_decisions_are_logged_once(monkeypatch):
   messages = []
   monkeypatch.setattr(logging, "info",
                       lambda msg, *args: messages.append(msg % args))
-  # As in a fresh process: test_kda_gates.py decodes T 3 too, and in one
-  # process (a TPU piece, tests/tpu.sh) it ran first and took the log line.
-  monkeypatch.setattr(backends, "_logged", set())
-  q, k, v, g, beta = _inputs(3)
+  # A T no other test decodes with `chunked`: the first decode of a T in a
+  # process takes the line (test_kda_gates.py decodes T 3, and in one
+  # process, a TPU piece of tests/tpu.sh, it ran first).
+  q, k, v, g, beta = _inputs(5)
   state = jnp.zeros((1, 2, 8, 8))
   for _ in range(2):
     ops.kimi_delta_attention(q, k, v, g, beta, initial_state=state,
                              backend="chunked")
-  decode = [m for m in messages if "decode piece of T=3" in m]
+  decode = [m for m in messages if "decode piece of T=5" in m]
   assert len(decode) == 1 and "token recurrence" in decode[0], messages
   messages.clear()
   for _ in range(2):
