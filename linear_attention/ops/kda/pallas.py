@@ -47,7 +47,7 @@ chunks, the q/k L2 norm, no context axis, and
   (max_num_segments x 63 <= T / 8: the realigned layout's extra grid at
   most an eighth), or none.
 There, in device time forward and forward+backward, bfloat16: B1 T8192 H32
-1.9 and 6.4 ms strided (the chunked backend 5.8 and 26.9; tokamax's kernel
+1.7 and 5.5 ms strided (the chunked backend 5.8 and 26.9; tokamax's kernel
 4.0 and 12.1), B8 T4096 H16 3.5 and 11.7 ms strided (tokamax 8.6 and
 27.2), B1 T1024 H32 0.28 and 0.83 ms (chunked 0.73 and 2.79, tokamax 0.43
 and 1.39), B1 T512 H32 0.14 and 0.42 ms (chunked 0.37 and 1.37, tokamax
@@ -56,9 +56,11 @@ tokamax 0.11 and 0.35), B1 T128 H32 0.04 and 0.10 ms (chunked 0.09 and
 0.35, tokamax 0.05 and 0.18), B1 T8192 H32 packed with 1024-token
 documents 2.7 and 7.2 ms (chunked 10.7 and 39.1), and with their
 per-segment states 5.7 and 14.8 ms (chunked 52.1 and 118.9), B1 T8192 H32
-with the state after every 1024 tokens 12.7 and 43.2 ms (chunked 58.2 and
-149.9; timed through the pieces of `context_parallel`, before the kernels
-wrote them in their one pass, which is not yet timed on a chip); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and 47.7),
+with the state after every 1024 tokens 1.95 and 5.57 ms in the kernels'
+one pass (through the pieces of `context_parallel` before it, 12.7 and 43.2;
+chunked 58.2 and 149.9), and after every 64 tokens 3.59 and 6.45 ms
+(chunked 87.9 and 216.7; closer states are not in the class until timed at
+shorter T); float32 at B1 H32: T8192 6.2 and 15.8 ms (chunked 12.0 and 47.7),
 T1024 0.66 and 1.86 ms (chunked 1.46 and 5.31), T512 0.33 and 0.91 ms
 (chunked 0.71 and 2.51), T256 0.17 and 0.45 ms (chunked 0.36 and 1.24),
 T8192 packed with 1024-token documents 6.4 and 16.1 ms (chunked 16.9 and
@@ -72,8 +74,9 @@ bfloat16 calls with K = V = 128, H 16 or 32 and no packed segments read
 and write the op's layout as rows, all heads a grid step, with no relayout
 around the kernels (`STRIDED`, `STRIDED_PRIMAL`; on any TPU, an explicit
 `backend="pallas"` included). From T 4096 both kernels run strided: at B1
-T8192 H32 the forward takes 1.90 ms of device time against 2.58 for 16
-heads a step, forward+backward 6.42 against 6.90; at B8 T4096 H16 3.53
+T8192 H32 the forward takes 1.70 ms of device time against 2.39 for 16
+heads a step, forward+backward 5.53 against 6.04 (16041ff's kernels; 1.90
+against 2.58 and 6.42 against 6.90 at e3a765f); at B8 T4096 H16 3.53
 against 5.37 and 11.66 against 13.99. From T 1024 a call that is not
 differentiated runs the strided forward (B1 H32: T2048 0.48 ms against
 0.57, T1024 0.25 against 0.28) and a differentiated one the 16-heads pair
@@ -122,7 +125,7 @@ AUTO_DEVICE_KIND = "v5 lite"  # as in "TPU v5 lite"
 AUTO_CLASS = {
     # T 128, 256, 512, 1024, 2048, 4096 and 8192; 1024-token documents at
     # T 8192; the state after every 1024 tokens at T 8192 (through the
-    # pieces; the one pass that now writes them is not yet timed).
+    # pieces, then in the kernels' one pass).
     "bfloat16": dict(heads=16, min_t=128, chunk_states_every=1024),
     # T 256, 512, 1024 and 8192, 1024-token documents at T 8192, at HIGH
     # (FLOAT32_AUTO); chunk-boundary states not timed.
