@@ -417,8 +417,9 @@ def test_a_sweep_process_lets_each_finished_runs_programs_go(
   # one run's programs hold while the process keeps them.
   config = trained[0].config.copy_and_resolve_references()
   config.seed = 7
+  start = conftest.memory_maps()
   train.train_and_evaluate(config, str(tmp_path / "run"))
-  one_run = conftest.memory_maps() - after_sweep
+  one_run = conftest.memory_maps() - start
   assert one_run > 200, (before, after_sweep, one_run)
   # The sweep trained two runs and kept neither's programs.
   assert after_sweep - before < one_run // 2, (before, after_sweep, one_run)
