@@ -411,7 +411,7 @@ def test_smoke_sweep_trains_each_run_once_and_skips_held_ones(
                     reason="this host's /proc does not count memory maps")
 def test_a_sweep_process_lets_each_finished_runs_programs_go(
     smoke_sweep, tmp_path):
-  sweep, _, trained = smoke_sweep
+  _, _, trained = smoke_sweep
   before, after_sweep = _MAPS_AROUND_SWEEP
   # A third run of the cell trained directly (not by the sweep): the maps
   # one run's programs hold while the process keeps them.
